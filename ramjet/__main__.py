@@ -1,0 +1,3 @@
+from ramjet.cli import main
+
+raise SystemExit(main())

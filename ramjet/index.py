@@ -1,0 +1,83 @@
+"""Which prefix blocks each replica probably holds in its KV cache.
+
+Per replica, a bounded LRU set of block hashes (written only after the replica
+answered 2xx). Beside it, one global map hash -> bitmask of replicas, so a
+single walk along a request's chain yields every replica's overlap in
+O(matched depth), not O(replicas x blocks).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    def __init__(self, capacities: list[int]):
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
+        self._capacity = list(capacities)
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def size(self, replica: int) -> int:
+        return len(self._lru[replica])
+
+    def overlaps(self, blocks: list[int]) -> list[int]:
+        """Number of leading blocks of `blocks` present on each replica."""
+        n = len(self._lru)
+        result = [0] * n
+        alive = (1 << n) - 1
+        holders = self._holders
+        depth = 0
+        for depth, h in enumerate(blocks):
+            still = holders.get(h, 0) & alive
+            dropped = alive & ~still
+            while dropped:
+                low = dropped & -dropped
+                result[low.bit_length() - 1] = depth
+                dropped ^= low
+            alive = still
+            if not alive:
+                return result
+        else:
+            depth = len(blocks)
+        while alive:  # replicas that hold the whole chain
+            low = alive & -alive
+            result[low.bit_length() - 1] = depth
+            alive ^= low
+        return result
+
+    def record(self, replica: int, blocks: list[int]) -> None:
+        """Remember that `replica` now holds `blocks`; evict its least recently used beyond capacity.
+
+        Blocks are touched tail first, so a chain's leading blocks (shared by
+        every turn of a session, and by sessions of one harness) are the most
+        recent and the last to be evicted.
+        """
+        lru = self._lru[replica]
+        bit = 1 << replica
+        holders = self._holders
+        for h in reversed(blocks):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        while len(lru) > self._capacity[replica]:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, bit)
+
+    def clear(self, replica: int) -> None:
+        """Forget everything about `replica` (its engine restarted: the cache is gone)."""
+        bit = 1 << replica
+        for h in self._lru[replica]:
+            self._drop(h, bit)
+        self._lru[replica].clear()
+
+    def _drop(self, h: int, bit: int) -> None:
+        left = self._holders.get(h, 0) & ~bit
+        if left:
+            self._holders[h] = left
+        else:
+            self._holders.pop(h, None)

@@ -1,0 +1,81 @@
+"""Prometheus collectors for the balancer (prefix `ramjet_`).
+
+Labels identify replicas by opaque ordinal, node name and DP rank only: never a
+URL (it may carry credentials) and never prompt text.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REPLICA_LABELS = ("upstream", "node", "rank")
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 45, 60, 90, 120, 180, 300)
+
+
+class Metrics:
+    """Every collector the balancer exports, in one registry of its own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("ramjet_requests", "Requests answered, by route, status code and upstream",
+                                ("route", "code", "upstream"), registry=r)
+        self.in_flight = Gauge("ramjet_upstream_in_flight", "Requests in flight per replica",
+                               REPLICA_LABELS, registry=r)
+        self.load_units = Gauge("ramjet_upstream_load_units", "Reserved load units per replica",
+                                REPLICA_LABELS, registry=r)
+        self.ttfb = Histogram("ramjet_time_to_first_byte_seconds",
+                              "Time from request arrival to the first response byte sent to the client",
+                              ("route",), buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("ramjet_request_duration_seconds", "Whole request duration",
+                                  ("route",), buckets=LATENCY_BUCKETS, registry=r)
+        self.decisions = Counter("ramjet_route_decisions", "Routing decisions by reason", ("reason",),
+                                 registry=r)
+        self.affinity_hits = Counter("ramjet_route_affinity_hits",
+                                     "Requests sent to a replica with the longest prefix overlap (overlap > 0)",
+                                     registry=r)
+        self.affinity_misses = Counter("ramjet_route_affinity_misses",
+                                       "Requests with a known prefix sent elsewhere (load won)", registry=r)
+        self.prompt_tokens = Counter("ramjet_prompt_tokens", "Prompt tokens reported by the engine",
+                                     REPLICA_LABELS, registry=r)
+        self.cached_tokens = Counter("ramjet_cached_tokens",
+                                     "Prompt tokens the engine served from its cache (cached_tokens)",
+                                     REPLICA_LABELS, registry=r)
+        self.completion_tokens = Counter("ramjet_completion_tokens", "Completion tokens reported by the engine",
+                                         REPLICA_LABELS, registry=r)
+        self.cache_ratio = Gauge("ramjet_cache_ratio",
+                                 "Engine-reported cached/prompt tokens over all requests since start", registry=r)
+        self.failovers = Counter("ramjet_failovers", "Attempts abandoned before the first byte and retried elsewhere",
+                                 ("reason",), registry=r)
+        self.upstream_up = Gauge("ramjet_upstream_up", "1 if the replica is serving, 0 if fenced",
+                                 REPLICA_LABELS, registry=r)
+        self.probes = Counter("ramjet_upstream_probes", "Health probes by kind (readiness|rank) and result",
+                              ("kind", "result"), registry=r)
+        self.probe_suppressed = Counter("ramjet_upstream_probe_suppressed",
+                                        "Probe failures not acted on because the replica recently completed real work",
+                                        REPLICA_LABELS, registry=r)
+        self.fences = Counter("ramjet_upstream_fences", "Times a replica was fenced, by reason",
+                              (*REPLICA_LABELS, "reason"), registry=r)
+        self.unfences = Counter("ramjet_upstream_unfences", "Times a fenced replica returned to service",
+                                REPLICA_LABELS, registry=r)
+        self.fail_open = Counter("ramjet_route_fail_open_dispatches",
+                                 "Requests dispatched while no replica was serving", registry=r)
+        self.index_blocks = Gauge("ramjet_index_blocks", "Prefix blocks remembered per replica",
+                                  REPLICA_LABELS, registry=r)
+        self.routing_seconds = Histogram("ramjet_routing_seconds", "Parse + fingerprint + score time per request",
+                                         buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
+                                         registry=r)
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def observe_usage(self, labels: tuple[str, str, str], prompt: int, cached: int, completion: int) -> None:
+        """Record one response's engine-reported usage and refresh the overall cache ratio."""
+        self.prompt_tokens.labels(*labels).inc(prompt)
+        self.cached_tokens.labels(*labels).inc(cached)
+        self.completion_tokens.labels(*labels).inc(completion)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        if self._prompt_total:
+            self.cache_ratio.set(self._cached_total / self._prompt_total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,176 @@
+"""Fingerprint, index, scoring, rank pinning and usage tapping: the routing core without sockets."""
+
+import orjson
+import pytest
+
+from ramjet.errors import ApiError
+from ramjet.fingerprint import fingerprint
+from ramjet.index import PrefixIndex
+from ramjet.proxy import pin_body
+from ramjet.scoring import Policy, credits, load_units, rank
+from ramjet.usage import UsageTap
+
+CHUNK = 256
+
+
+def chat(messages, **extra):
+    return {"model": "glm-5.3", "messages": messages, **extra}
+
+
+def convo(turns):
+    msgs = [{"role": "system", "content": "harness " * 400}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"tool result {t} " * 60})
+        msgs.append({"role": "assistant", "content": f"answer {t} " * 20})
+    return msgs
+
+
+def fp(body, route="chat"):
+    return fingerprint(route, body, CHUNK, 1 << 20)
+
+
+def test_sampling_fields_and_key_order_do_not_change_the_fingerprint():
+    a = fp(chat(convo(3), max_tokens=10, temperature=0.2, stream=True))
+    b = fp({"messages": [dict(reversed(list(m.items()))) for m in convo(3)], "model": "glm-5.3",
+            "max_tokens": 99, "metadata": {"x": 1}})
+    assert a.blocks == b.blocks
+
+
+def test_appending_messages_changes_only_tail_blocks():
+    short, long = fp(chat(convo(3))), fp(chat(convo(6)))
+    full_blocks = short.prompt_bytes // CHUNK  # the last, partial block of the short one differs
+    assert long.blocks[:full_blocks] == short.blocks[:full_blocks]
+    assert len(long.blocks) > len(short.blocks)
+
+
+def test_model_name_and_tools_are_part_of_the_prefix():
+    base = fp(chat(convo(1)))
+    assert fp({**chat(convo(1)), "model": "other"}).blocks[0] != base.blocks[0]
+    assert fp(chat(convo(1), tools=[{"type": "function", "function": {"name": "x"}}])).blocks[0] != base.blocks[0]
+
+
+def test_prefix_is_capped():
+    out = fingerprint("chat", chat(convo(30)), CHUNK, 4 * CHUNK)
+    assert len(out.blocks) == 4
+
+
+@pytest.mark.parametrize("route,body", [
+    ("chat", {"messages": "hi"}),
+    ("chat", {"messages": ["hi"]}),
+    ("chat", {"model": 3, "messages": []}),
+    ("chat", {}),
+    ("completions", {"prompt": 7}),
+    ("generate", {"sampling_params": {}}),
+    ("generate", {"input_ids": "abc"}),
+    ("chat", {"messages": [], "tools": "x"}),
+])
+def test_wrong_typed_fields_are_400(route, body):
+    with pytest.raises(ApiError) as e:
+        fp(body, route)
+    assert e.value.status == 400
+
+
+def test_generate_and_completions_fingerprints():
+    assert fp({"text": "a" * 1000}, "generate").blocks == fp({"text": "a" * 1000, "stream": True}, "generate").blocks
+    assert fp({"input_ids": [1, 2, 3]}, "generate").blocks
+    assert fp({"prompt": "x" * 600}, "completions").blocks
+
+
+def test_index_overlap_counts_leading_blocks_per_replica():
+    ix = PrefixIndex([100, 100, 100])
+    ix.record(0, [1, 2, 3, 4])
+    ix.record(1, [1, 2])
+    ix.record(2, [9, 2, 3])  # a different first block: no leading overlap
+    assert ix.overlaps([1, 2, 3, 4, 5]) == [4, 2, 0]
+    assert ix.overlaps([7]) == [0, 0, 0]
+
+
+def test_index_lru_evicts_oldest_but_keeps_leading_blocks_of_a_chain():
+    ix = PrefixIndex([4])
+    ix.record(0, [1, 2, 3])
+    ix.record(0, [10, 11, 12])
+    assert ix.size(0) == 4
+    assert ix.overlaps([10, 11, 12]) == [3]
+    assert ix.overlaps([1, 2, 3]) == [1]  # the old chain lost its tail first, kept its lead
+    ix.clear(0)
+    assert ix.size(0) == 0 and ix.overlaps([10]) == [0]
+
+
+def test_credit_bases():
+    overlaps = [100, 95, 40, 0]
+    serving = [True] * 4
+    assert credits(overlaps, serving, "absolute", 32) == [32, 32, 32, 0]
+    assert credits(overlaps, serving, "marginal", 32) == [32, 32, 32, 0]
+    assert credits(overlaps, serving, "relative", 32) == [32, 27, 0, 0]
+    # with two replicas, marginal and relative agree on the order
+    assert credits([50, 10], [True, True], "marginal", 32) == [32, 0]
+    assert credits([50, 10], [True, True], "relative", 32) == [32, 0]
+
+
+def test_relative_sticks_where_absolute_ties_on_a_long_shared_harness():
+    # Every rank saw the 40-block harness; replica 2 also holds this session's 10 extra blocks.
+    overlaps = [40, 40, 50, 40]
+    loads = [0, 0, 2, 0]  # the session's rank is a little busier
+    serving = [True] * 4
+    rel = rank(overlaps, loads, serving, Policy(basis="relative", cap_blocks=32, alpha=1), rotation=0)
+    ab = rank(overlaps, loads, serving, Policy(basis="absolute", cap_blocks=32, alpha=1), rotation=0)
+    assert rel.order[0] == 2 and rel.reason == "affinity"
+    assert ab.order[0] != 2
+
+
+def test_load_outweighs_affinity_when_the_warm_replica_is_overloaded():
+    r = rank([20, 0], [9, 0], [True, True], Policy(basis="relative", cap_blocks=32, alpha=4), rotation=0)
+    assert r.order[0] == 1 and r.reason == "load"
+
+
+def test_serving_first_and_rotating_tiebreak():
+    policy = Policy()
+    r = rank([5, 0, 0], [0, 0, 0], [False, True, True], policy, rotation=0)
+    assert r.order[0] in (1, 2) and r.order[-1] == 0
+    firsts = {rank([0, 0, 0], [0, 0, 0], [True] * 3, policy, rotation=k).order[0] for k in range(3)}
+    assert firsts == {0, 1, 2}
+    assert rank([0, 0], [0, 0], [False, False], policy, 0).reason == "fail_open"
+
+
+def test_load_only_policy_ignores_overlap():
+    r = rank([50, 0], [1, 0], [True, True], Policy(affinity=False), rotation=0)
+    assert r.order[0] == 1
+
+
+def test_load_units_follow_uncovered_bytes():
+    p = Policy(chunk_bytes=2048, load_unit_bytes=32768, max_load_units=8)
+    assert load_units(460_000, 0, p) == 8
+    assert load_units(100_000, 0, p) == 4
+    assert load_units(460_000, 224, p) == 1
+    assert load_units(0, 0, p) == 1
+
+
+def test_pin_body_appends_last_key_and_overrides_client_pin():
+    raw = b'{"model":"m","routed_dp_rank":99,"messages":[]}  \n'
+    pinned = pin_body(raw, 3)
+    assert pinned.endswith(b'"routed_dp_rank":3}')
+    assert orjson.loads(pinned)["routed_dp_rank"] == 3
+    assert pinned.startswith(raw.rstrip()[:-1])  # the client's bytes are untouched
+    assert orjson.loads(pin_body(b"{ }", 0)) == {"routed_dp_rank": 0}
+
+
+def test_usage_tap_finds_final_usage_in_sse_tail():
+    tap = UsageTap(sse=True)
+    for i in range(5000):
+        tap.feed(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n')
+    tap.feed(b'data: {"choices":[],"usage":{"prompt_tokens":100,"completion_tokens":7,'
+             b'"prompt_tokens_details":{"cached_tokens":90}}}\n\ndata: [DONE]\n\n')
+    u = tap.usage()
+    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens) == (100, 90, 7)
+
+
+def test_usage_tap_json_and_generate_meta_info():
+    tap = UsageTap(sse=False)
+    tap.feed(b'{"id":"x","usage":{"prompt_tokens":5,')
+    tap.feed(b'"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":4}}}')
+    assert tap.usage().cached_tokens == 4
+    gen = UsageTap(sse=True)
+    gen.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":9,"completion_tokens":1,"cached_tokens":8}}\n\n'
+             b'data: [DONE]\n\n')
+    assert gen.usage().prompt_tokens == 9 and gen.usage().cached_tokens == 8
+    assert UsageTap(sse=False).usage() is None
