@@ -1,7 +1,8 @@
 """`ramjet serve | demo | sim | bench | validate | fit`.
 
 Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
-`run(args) -> int`; this file only wires them together.
+`run(args) -> int`. Only the chosen command's module is imported, so start-up
+stays quick and one command's dependencies never stop another from running.
 """
 
 from __future__ import annotations
@@ -20,22 +21,21 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ramjet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
-        p.set_defaults(_module=module)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    module = importlib.import_module(args._module)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     try:
-        return int(module.run(args) or 0)
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -114,12 +114,15 @@ def filler(rng: random.Random, n_bytes: int) -> str:
 
 
 async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_bytes: int = 72_000,
-                       turn_bytes: int = 6_000, seed: int = 1, model: str = "glm-5.3",
-                       api_key: str | None = None, timeout: float = 120.0,
+                       task_bytes: int = 4_000, turn_bytes: int = 6_000, seed: int = 1, model: str = "glm-5.3",
+                       api_key: str | None = None, timeout: float = 120.0, tool_s: float = 0.4,
                        path: str = "/v1/chat/completions") -> SessionReport:
     """Concurrent agent-like sessions: a shared harness prompt, then each turn appends a tool result.
 
-    Streams every turn with usage, and records which upstream served it.
+    The first user message carries the task and the context an agent harness adds
+    to it (about 1K tokens). Before each turn a session "runs its tool" for a
+    random 0..`tool_s` seconds, so sessions do not move in lockstep. Streams every turn with usage, and records
+    which upstream served it.
     """
     rng = random.Random(seed)
     harness = filler(rng, harness_bytes)
@@ -129,9 +132,10 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
     async def one(session: int, client: httpx.AsyncClient) -> None:
         srng = random.Random(seed * 1000 + session)
         messages = [{"role": "system", "content": harness},
-                    {"role": "user", "content": f"task {session}: " + filler(srng, 400)}]
+                    {"role": "user", "content": f"task {session}: " + filler(srng, task_bytes)}]
         previous = None
         for _ in range(turns):
+            await asyncio.sleep(srng.uniform(0, tool_s))
             body = {"model": model, "messages": messages, "max_tokens": 8, "stream": True,
                     "stream_options": {"include_usage": True}}
             try:

@@ -33,8 +33,8 @@ class ReplicaState:
     serving: bool = True
     reason: str = ""              # why it is fenced
     in_flight: int = 0
-    load_units: int = 0
-    last_progress: float = -1e18  # monotonic time of the last first byte / completion of a real request
+    load_units: float = 0.0
+    last_progress: float = -1e18  # monotonic time it last showed life on real work (see Fleet.begin)
     passes: int = 0               # consecutive passing probe rounds while fenced
     labels: tuple[str, str, str] = field(default=("", "", ""))
 
@@ -67,17 +67,25 @@ class Fleet:
     def serving(self) -> list[bool]:
         return [s.serving for s in self.states]
 
-    def loads(self) -> list[int]:
+    def loads(self) -> list[float]:
         return [s.load_units for s in self.states]
 
-    def begin(self, i: int, units: int) -> None:
+    def begin(self, i: int, units: float) -> None:
+        """Reserve load for a request sent to replica i.
+
+        An idle replica that is given work counts as alive at that moment: its
+        first requests may be long cold prefills, and probes queued behind them
+        must not fence it before any of them could have finished.
+        """
         s = self.states[i]
+        if s.in_flight == 0:
+            s.last_progress = time.monotonic()
         s.in_flight += 1
         s.load_units += units
         self.metrics.in_flight.labels(*s.labels).set(s.in_flight)
         self.metrics.load_units.labels(*s.labels).set(s.load_units)
 
-    def end(self, i: int, units: int) -> None:
+    def end(self, i: int, units: float) -> None:
         s = self.states[i]
         s.in_flight -= 1
         s.load_units -= units

@@ -6,7 +6,9 @@ URL (it may carry credentials) and never prompt text.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # `*_created` series double the output and no dashboard reads them
 
 REPLICA_LABELS = ("upstream", "node", "rank")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 45, 60, 90, 120, 180, 300)

@@ -23,7 +23,7 @@ from ramjet.health import Fleet, is_refused
 from ramjet.index import PrefixIndex
 from ramjet.journal import Journal
 from ramjet.metrics import Metrics
-from ramjet.scoring import Policy, load_units, rank
+from ramjet.scoring import Policy, Ranking, load_units, rank
 from ramjet.topology import Replica
 from ramjet.usage import UsageTap
 
@@ -82,11 +82,14 @@ class Proxy:
         self.metrics.index_blocks.labels(*self.replicas[i].labels).set(0)
 
     # --- routing ----------------------------------------------------------
-    def choose(self, route: str, body: dict) -> tuple[Fingerprint, list[int], "object"]:
-        fp = fingerprint(route, body, self.settings.route_chunk_bytes, self.settings.route_max_prefix_bytes)
+    def choose(self, route: str, body: dict) -> tuple[Fingerprint, list[int], Ranking]:
+        """Fingerprint the prompt and rank every replica; returns (fingerprint, overlaps in blocks, ranking)."""
+        chunk = self.settings.route_chunk_bytes
+        fp = fingerprint(route, body, chunk, self.settings.route_max_prefix_bytes)
         n = len(self.replicas)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.affinity else [0] * n
-        ranking = rank(overlaps, self.fleet.loads(), self.fleet.serving(), self.policy, next(self._rotation))
+        covered = [fp.covered_bytes(o) / chunk for o in overlaps]
+        ranking = rank(covered, self.fleet.loads(), self.fleet.serving(), self.policy, next(self._rotation))
         return fp, overlaps, ranking
 
     def _next(self, order: list[int], tried: set[int], failed_engines: set[str]) -> int | None:
@@ -119,7 +122,7 @@ class Proxy:
                   "reason": ranking.reason, "attempts": []}
         tried: set[int] = set()
         failed_engines: set[str] = set()
-        deadline = t0 + self.settings.upstream_first_byte_timeout_ms / 1000
+        first_byte_s = self.settings.upstream_first_byte_timeout_ms / 1000
         last: _Failed | None = None
         for _ in range(self.settings.route_max_attempts):
             i = self._next(ranking.order, tried, failed_engines)
@@ -127,7 +130,7 @@ class Proxy:
                 break
             tried.add(i)
             replica = self.replicas[i]
-            units = load_units(fp.prompt_bytes, overlaps[i], self.policy)
+            units = load_units(fp.prompt_bytes, fp.covered_bytes(overlaps[i]), self.policy)
             self.fleet.begin(i, units)
             released = False
             try:
@@ -137,7 +140,8 @@ class Proxy:
                     if path.startswith("/v1/"):
                         hdrs = hdrs + [(b"x-data-parallel-rank", str(replica.dp_rank).encode())]
                 try:
-                    resp, first, chunks = await self._open("POST", replica.url + path, content, hdrs, deadline)
+                    resp, first, chunks = await self._open("POST", replica.url + path, content, hdrs,
+                                                           time.monotonic() + first_byte_s)
                 except _Failed as failure:
                     last = failure
                     record["attempts"].append({"upstream": i, "failed": failure.reason})

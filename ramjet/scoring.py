@@ -1,6 +1,8 @@
 """Affinity bases (absolute, marginal, relative) plus load -> an ordered list of candidates.
 
-credit(r) rewards the prefix a replica already holds, capped at C blocks:
+A replica's overlap is the prefix it already holds, measured in block
+equivalents (covered bytes / RJ_ROUTE_CHUNK_BYTES, so a short block at the end
+of a message counts for what it covers). credit(r) rewards it, capped at C:
   absolute  min(overlap, C)                       every replica that saw a long
                                                   shared harness scores full marks
   marginal  min(overlap - min peer overlap, C)
@@ -29,7 +31,7 @@ class Policy:
     max_load_units: int = 8
 
 
-def credits(overlaps: list[int], serving: list[bool], basis: str, cap: int) -> list[float]:
+def credits(overlaps: list[float], serving: list[bool], basis: str, cap: int) -> list[float]:
     peers = [o for o, s in zip(overlaps, serving) if s] or overlaps
     if basis == "absolute":
         return [min(o, cap) for o in overlaps]
@@ -42,10 +44,21 @@ def credits(overlaps: list[int], serving: list[bool], basis: str, cap: int) -> l
     raise ValueError(f"unknown affinity basis {basis!r}")
 
 
-def load_units(prompt_bytes: int, overlap_blocks: int, policy: Policy) -> int:
-    """Units a request reserves on a replica: its uncovered bytes in load units, clamped."""
-    uncovered = max(prompt_bytes - overlap_blocks * policy.chunk_bytes, 0)
-    return min(max(ceil(uncovered / policy.load_unit_bytes), 1), policy.max_load_units)
+LOAD_STEP = 8  # load is counted in eighths of a unit: exact in binary, so sums return to 0
+
+
+def load_units(prompt_bytes: int, covered_bytes: int, policy: Policy) -> float:
+    """Units a request reserves on a replica: its uncovered bytes / RJ_ROUTE_LOAD_UNIT_BYTES.
+
+    Rounded up to an eighth of a unit and clamped to [1/8, RJ_ROUTE_MAX_LOAD_UNITS].
+    Whole units (the design's first cut) made a warm turn of a few KB weigh as much
+    as 32 KB of cold prefill, so with the relative basis a young session whose own
+    history was still under alpha blocks left its rank whenever any other request
+    was in flight there.
+    """
+    uncovered = max(prompt_bytes - covered_bytes, 0)
+    steps = ceil(uncovered * LOAD_STEP / policy.load_unit_bytes)
+    return min(max(steps, 1), policy.max_load_units * LOAD_STEP) / LOAD_STEP
 
 
 @dataclass(slots=True)
@@ -56,7 +69,7 @@ class Ranking:
     reason: str             # why the first one won: affinity | load | tiebreak | fail_open
 
 
-def rank(overlaps: list[int], loads: list[int], serving: list[bool], policy: Policy,
+def rank(overlaps: list[float], loads: list[float], serving: list[bool], policy: Policy,
          rotation: int) -> Ranking:
     n = len(overlaps)
     if policy.affinity:
@@ -69,7 +82,7 @@ def rank(overlaps: list[int], loads: list[int], serving: list[bool], policy: Pol
     return Ranking(order, scores, cred, _reason(order, scores, overlaps, serving, policy))
 
 
-def _reason(order: list[int], scores: list[float], overlaps: list[int], serving: list[bool],
+def _reason(order: list[int], scores: list[float], overlaps: list[float], serving: list[bool],
             policy: Policy) -> str:
     best = order[0]
     if not serving[best]:

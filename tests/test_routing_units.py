@@ -36,22 +36,35 @@ def test_sampling_fields_and_key_order_do_not_change_the_fingerprint():
     assert a.blocks == b.blocks
 
 
-def test_appending_messages_changes_only_tail_blocks():
+def test_appending_messages_keeps_every_earlier_block():
     short, long = fp(chat(convo(3))), fp(chat(convo(6)))
-    full_blocks = short.prompt_bytes // CHUNK  # the last, partial block of the short one differs
-    assert long.blocks[:full_blocks] == short.blocks[:full_blocks]
+    # blocks never straddle messages, so even the short turn's last, partial block reappears
+    assert long.blocks[:len(short.blocks)] == short.blocks
     assert len(long.blocks) > len(short.blocks)
+    assert short.ends[-1] == short.prompt_bytes and short.covered_bytes(0) == 0
+
+
+def test_a_session_whose_first_turn_adds_under_one_block_is_still_recognised():
+    first = chat([{"role": "system", "content": "h" * 1000}, {"role": "user", "content": "fix the bug"}])
+    second = chat(first["messages"] + [{"role": "assistant", "content": "ok"}])
+    other = chat([first["messages"][0], {"role": "user", "content": "write docs"}])
+    ix = PrefixIndex([100, 100])
+    ix.record(0, fp(first).blocks)
+    ix.record(1, fp(other).blocks)
+    assert ix.overlaps(fp(second).blocks) == [len(fp(first).blocks), len(fp(first).blocks) - 1]
 
 
 def test_model_name_and_tools_are_part_of_the_prefix():
     base = fp(chat(convo(1)))
-    assert fp({**chat(convo(1)), "model": "other"}).blocks[0] != base.blocks[0]
-    assert fp(chat(convo(1), tools=[{"type": "function", "function": {"name": "x"}}])).blocks[0] != base.blocks[0]
+    other_model = fp({**chat(convo(1)), "model": "other"})
+    with_tools = fp(chat(convo(1), tools=[{"type": "function", "function": {"name": "x"}}]))
+    assert not set(other_model.blocks) & set(base.blocks)
+    assert with_tools.blocks[0] == base.blocks[0] and not set(with_tools.blocks[1:]) & set(base.blocks)
 
 
 def test_prefix_is_capped():
     out = fingerprint("chat", chat(convo(30)), CHUNK, 4 * CHUNK)
-    assert len(out.blocks) == 4
+    assert out.ends[-1] == 4 * CHUNK and out.prompt_bytes > 4 * CHUNK
 
 
 @pytest.mark.parametrize("route,body", [
@@ -140,9 +153,10 @@ def test_load_only_policy_ignores_overlap():
 def test_load_units_follow_uncovered_bytes():
     p = Policy(chunk_bytes=2048, load_unit_bytes=32768, max_load_units=8)
     assert load_units(460_000, 0, p) == 8
-    assert load_units(100_000, 0, p) == 4
-    assert load_units(460_000, 224, p) == 1
-    assert load_units(0, 0, p) == 1
+    assert load_units(100_000, 0, p) == 3.125
+    assert load_units(460_000, 459_000, p) == 0.125  # a warm turn weighs little
+    assert load_units(460_000, 460_000 - 6_000, p) == 0.25
+    assert load_units(0, 0, p) == 0.125
 
 
 def test_pin_body_appends_last_key_and_overrides_client_pin():

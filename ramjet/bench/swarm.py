@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import os
 import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, TextIO
+from typing import TextIO
 
 import httpx
 import orjson
@@ -53,6 +52,7 @@ class SwarmConfig:
     requests_jsonl: str | None = None
     progress: bool = True
     label: str = ""                     # prefix of the progress line
+    floor_probes: int = 5               # tiny requests before the run: the path's own latency (0 = skip)
 
     def __post_init__(self):
         if not self.urls:
@@ -102,6 +102,7 @@ class SwarmResult:
     loop_lag_p99_ms: float | None
     loop_lag_max_ms: float | None
     team: dict
+    ttft_floor: float | None = None    # engine seconds: median TTFT of tiny one-token requests before the run
 
 
 def _sum_stats(snaps: list[dict]) -> dict | None:
@@ -172,7 +173,7 @@ class Swarm:
                             est_prompt_tokens=turn.est_prompt_tokens, max_tokens=turn.max_tokens)
         t_start = time.monotonic()
         self.in_flight += 1
-        recent: collections.deque[bytes] = collections.deque(maxlen=6)
+        recent: collections.deque[bytes] = collections.deque(maxlen=16)
         try:
             async with asyncio.timeout(cfg.request_timeout / self.S):
                 async with client.stream("POST", url, content=body, headers=self._headers) as resp:
@@ -247,6 +248,33 @@ class Swarm:
             await self.sleep(delay)
 
     # -- housekeeping -----------------------------------------------------------------------
+    async def _floor(self, client: httpx.AsyncClient) -> float | None:
+        """Median TTFT (engine s) of tiny one-token requests on an idle target.
+
+        Real transport and proxy time is multiplied by the time scale like everything
+        else, so this is the floor under every TTFT of the run; compare it across
+        placements before reading small TTFT differences.
+        """
+        cfg = self.cfg
+        text = self.agents[0].world.text
+        samples = []
+        for i in range(cfg.floor_probes):
+            body = orjson.dumps({"model": cfg.model, "max_tokens": 1, "stream": True,
+                                 "stream_options": {"include_usage": True},
+                                 "messages": [{"role": "user", "content": text.text(f"floor-probe-{i}", 16)}]})
+            url = cfg.urls[i % len(cfg.urls)] + cfg.path
+            t = time.monotonic()
+            try:
+                async with client.stream("POST", url, content=body, headers=self._headers, timeout=30.0) as r:
+                    async for chunk in r.aiter_raw():
+                        if _FIRST_CONTENT.search(chunk):
+                            samples.append((time.monotonic() - t) * self.S)
+                            break
+            except httpx.HTTPError:
+                continue
+        samples.sort()
+        return samples[len(samples) // 2] if samples else None
+
     async def _stats(self, client: httpx.AsyncClient) -> dict | None:
         if not self.cfg.stats_urls:
             return None
@@ -292,9 +320,10 @@ class Swarm:
         if cfg.requests_jsonl:
             self._jsonl = open(cfg.requests_jsonl, "w", buffering=1 << 16)
         wall0 = time.time()
-        stats_start = stats_end = None
+        stats_start = stats_end = floor = None
         try:
             async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+                floor = await self._floor(client) if cfg.floor_probes > 0 else None
                 self.t0 = time.monotonic()
                 end_engine = cfg.warmup + cfg.duration
                 ticker = asyncio.create_task(self._ticker(end_engine, out))
@@ -325,7 +354,7 @@ class Swarm:
             config=cfg_dict, records=self.records, stats_start=stats_start, stats_end=stats_end,
             started_at=wall0, real_seconds=time.monotonic() - self.t0,
             loop_lag_p99_ms=(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1000) if lags else None,
-            loop_lag_max_ms=(lags[-1] * 1000) if lags else None, team=team)
+            loop_lag_max_ms=(lags[-1] * 1000) if lags else None, team=team, ttft_floor=floor)
 
 
 async def run_swarm(cfg: SwarmConfig) -> SwarmResult:
@@ -335,5 +364,3 @@ async def run_swarm(cfg: SwarmConfig) -> SwarmResult:
 def run_swarm_sync(cfg: SwarmConfig) -> SwarmResult:
     return asyncio.run(run_swarm(cfg))
 
-
-ProgressFn = Callable[[str], None]

@@ -239,6 +239,10 @@ class World:
         n_tools = max(1, cfg.tools_per_harness) if tool_tokens > 0 else 0
         tools = []
         names = []
+
+        def flat(ident: str, n: int) -> str:  # no line breaks: the JSON size must not depend on the salt
+            return self.text.text(ident, n).replace("\n", " ")
+
         for k in range(n_tools):
             name = _TOOL_NAMES[k % len(_TOOL_NAMES)] + ("" if k < len(_TOOL_NAMES) else f"_{k}")
             names.append(name)
@@ -247,12 +251,12 @@ class World:
                 "type": "function",
                 "function": {
                     "name": name,
-                    "description": self.text.text(f"h{i}:tool{k}:desc", per * 2 // 3),
+                    "description": flat(f"h{i}:tool{k}:desc", per * 2 // 3),
                     "parameters": {
                         "type": "object",
                         "properties": {
-                            "target": {"type": "string", "description": self.text.text(f"h{i}:tool{k}:p0", per // 6)},
-                            "options": {"type": "string", "description": self.text.text(f"h{i}:tool{k}:p1", per // 6)},
+                            "target": {"type": "string", "description": flat(f"h{i}:tool{k}:p0", per // 6)},
+                            "options": {"type": "string", "description": flat(f"h{i}:tool{k}:p1", per // 6)},
                         },
                         "required": ["target"],
                     },
@@ -406,7 +410,7 @@ class Agent:
         call_id = None
         if tool is not None:
             call_id = f"call_{conv.ident}_{conv.turn}"
-            args = orjson.dumps({"target": self.text.text(f"{ident}:arg", 8)}).decode()
+            args = orjson.dumps({"target": self.text.text(f"{ident}:arg", 8).replace("\n", " ")}).decode()
             msg["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": tool, "arguments": args}}]
             conv.append(msg, n + text_tokens(args) + 8)
         else:

@@ -1,0 +1,394 @@
+"""`ramjet bench compare`: placements x team sizes x HiCache, each cell on fresh simulators.
+
+A cell: start `engines` fresh simulators (8 DP ranks each), put the placement in
+front of them (nothing for `direct`, `ramjet serve` with an affinity basis, or the
+SGLang router), run the swarm in this process with the same seed and a fresh salt,
+snapshot the simulators' /sim/stats at the end of the warm-up and at the end, and
+stop every process (always, also on errors and Ctrl-C). After every cell the
+table, the JSON and the plots in the output directory are rewritten, so an
+interrupted comparison keeps the cells it finished.
+
+Placements:
+  direct         straight to the engine: SGLang's own round robin over its ranks. With
+                 several engines the swarm itself spreads requests round robin over them
+                 (what a plain L4 balancer would do).
+  relative, absolute, marginal
+                 `ramjet serve` with RJ_ROUTE_AFFINITY_BASIS set to that basis.
+  load           `ramjet serve` with RJ_AFFINITY=load (affinity off: least load only).
+  sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ramjet import procs
+from ramjet.bench.summary import summarize
+from ramjet.bench.swarm import SwarmConfig, run_swarm
+from ramjet.bench.workload import WorkloadConfig
+
+PLACEMENTS = ("direct", "relative", "absolute", "marginal", "load", "sglang-router")
+BALANCER_PLACEMENTS = ("relative", "absolute", "marginal", "load")
+DP_SIZE = 8
+DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
+DEFAULT_HICACHE_TOKENS_PER_RANK = 800_000  # 32 GB host memory per rank at ~40 KB per token
+
+
+@dataclass
+class CompareConfig:
+    placements: list[str]
+    developers: list[int]
+    hicache: list[str] = field(default_factory=lambda: ["off"])
+    engines: int = 1
+    duration: float = 300.0
+    warmup: float = 60.0
+    ramp: float | None = None
+    time_scale: float = 20.0
+    seed: int = 1
+    salt_prefix: str | None = None
+    out_dir: str = "bench-results"
+    kv_tokens_per_rank: int = DEFAULT_KV_TOKENS_PER_RANK
+    hicache_tokens_per_rank: int = DEFAULT_HICACHE_TOKENS_PER_RANK
+    model: str = "glm-5.3"
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    request_timeout: float = 600.0
+    balancer_env: dict[str, str] = field(default_factory=dict)
+    kv_hint: bool = True            # tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)
+    sim_args: list[str] = field(default_factory=list)
+    progress: bool = True
+    plots: bool = True
+
+    def __post_init__(self):
+        bad = [p for p in self.placements if p not in PLACEMENTS]
+        if bad:
+            raise ValueError(f"unknown placement(s) {', '.join(bad)}; choose from {', '.join(PLACEMENTS)}")
+        if not self.placements or not self.developers:
+            raise ValueError("need at least one placement and one team size")
+        for h in self.hicache:
+            if h not in ("off", "on"):
+                raise ValueError(f"--hicache takes off and/or on, not {h!r}")
+        if self.engines < 1:
+            raise ValueError("engines must be >= 1")
+        if self.salt_prefix is None:
+            self.salt_prefix = os.urandom(4).hex()
+
+    def cells(self) -> list[dict]:
+        out = []
+        for h in self.hicache:
+            for d in self.developers:
+                for p in self.placements:
+                    out.append({"placement": p, "developers": d, "hicache": h, "engines": self.engines})
+        return out
+
+
+def cell_name(cell: dict) -> str:
+    return f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
+
+
+def _start_router(urls: list[str], logs: Path, name: str) -> tuple[str, procs.ManagedProcess]:
+    binary = procs.sglang_router_binary()
+    if binary is None:
+        raise RuntimeError("sglang-router is not installed (pip install sglang-router==0.3.2)")
+    port = procs.free_port()
+    argv = [binary, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--dp-aware",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+    p = procs.ManagedProcess(f"sglang-router:{port}", argv, env=dict(os.environ),
+                             log_path=logs / f"{name}-router.log").start()
+    try:
+        p.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=90.0)
+    except Exception:
+        p.stop()
+        raise
+    return f"http://127.0.0.1:{port}", p
+
+
+def _sim_args(cfg: CompareConfig, hicache: str) -> list[str]:
+    hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
+    return ["--dp-size", str(DP_SIZE), "--time-scale", f"{cfg.time_scale:g}", "--kv-tokens-per-rank",
+            str(cfg.kv_tokens_per_rank), "--hicache-tokens-per-rank", str(hc), "--model-name", cfg.model,
+            *cfg.sim_args]
+
+
+def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: list[str]) -> dict[str, str]:
+    env = {"RJ_UPSTREAM": ",".join(sim_urls), "RJ_UPSTREAM_DP_SIZE": str(DP_SIZE),
+           "RJ_HEALTH_INTERVAL_MS": "1000", "RJ_LOG_LEVEL": "warning"}
+    if placement == "load":
+        env["RJ_AFFINITY"] = "load"
+    else:
+        env["RJ_ROUTE_AFFINITY_BASIS"] = placement
+    if cfg.kv_hint:
+        hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
+        env["RJ_ROUTE_KV_CAPACITY_TOKENS"] = str(cfg.kv_tokens_per_rank + hc)
+    env.update(cfg.balancer_env)
+    return env
+
+
+def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
+    """Run one cell on fresh processes; return its table row (with the full summary under 'summary')."""
+    out = Path(cfg.out_dir)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (out / "requests").mkdir(parents=True, exist_ok=True)
+    name = cell_name(cell)
+    salt = f"{cfg.salt_prefix}-{index}"
+    started: list[procs.ManagedProcess] = []
+    row = {**cell, "salt": salt, "seed": cfg.seed, "time_scale": cfg.time_scale, "duration_s": cfg.duration,
+           "warmup_s": cfg.warmup, "error": None}
+    t0 = time.monotonic()
+    try:
+        sim_urls = []
+        for e in range(cell["engines"]):
+            port = procs.free_port()
+            started.append(procs.start_sim(port, *_sim_args(cfg, cell["hicache"]),
+                                           log_path=logs / f"{name}-sim{e}.log", timeout=60.0))
+            sim_urls.append(f"http://127.0.0.1:{port}")
+        placement = cell["placement"]
+        if placement == "direct":
+            urls = sim_urls
+        elif placement == "sglang-router":
+            url, p = _start_router(sim_urls, logs, name)
+            started.append(p)
+            urls = [url]
+        else:
+            port = procs.free_port()
+            started.append(procs.start_balancer(port, _balancer_env(cfg, placement, cell["hicache"], sim_urls),
+                                                log_path=logs / f"{name}-balancer.log", timeout=60.0))
+            urls = [f"http://127.0.0.1:{port}"]
+        ramp = cfg.ramp if cfg.ramp is not None else min(cfg.warmup / 2, 30.0)
+        scfg = SwarmConfig(urls=urls, model=cfg.model, developers=cell["developers"], duration=cfg.duration,
+                           warmup=cfg.warmup, ramp=ramp, time_scale=cfg.time_scale, seed=cfg.seed, salt=salt,
+                           request_timeout=cfg.request_timeout, workload=cfg.workload, stats_urls=sim_urls,
+                           requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
+                           label=f"[{index + 1}/{total} {name}] ")
+        cpu0, wall0 = _cpu_snapshot(started), time.monotonic()
+        result = asyncio.run(run_swarm(scfg))
+        cpu = _cpu_share(cpu0, _cpu_snapshot(started), time.monotonic() - wall0)
+        summary = summarize(result.records, warmup=cfg.warmup, duration=cfg.duration,
+                            stats_start=result.stats_start, stats_end=result.stats_end)
+        summary["loop_lag_p99_ms"] = result.loop_lag_p99_ms
+        summary["loop_lag_max_ms"] = result.loop_lag_max_ms
+        summary["team"] = result.team
+        summary["cpu_share"] = cpu
+        summary["ttft_floor"] = result.ttft_floor
+        row.update(_row_fields(summary))
+        row["cpu_share"] = cpu
+        row["summary"] = summary
+        for p in started:
+            if not p.alive():
+                row["error"] = f"{p.name} exited during the run (code {p.proc.returncode}); see logs/"
+    except Exception as e:  # a cell that cannot run is reported, the comparison goes on
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+    finally:
+        for p in reversed(started):
+            try:
+                p.stop()
+            except Exception:  # pragma: no cover - best effort; stop() already escalates to SIGKILL
+                pass
+    row["real_seconds"] = time.monotonic() - t0
+    return row
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rsplit(")", 1)[1].split()
+        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_snapshot(started: list[procs.ManagedProcess]) -> dict[str, float | None]:
+    snap = {p.name.split(":")[0] + (f"#{i}" if p.name.startswith("sim") else ""): _cpu_seconds(p.proc.pid)
+            for i, p in enumerate(started) if p.proc is not None}
+    snap["client"] = time.process_time()
+    return snap
+
+
+def _cpu_share(before: dict, after: dict, real_seconds: float) -> dict[str, float]:
+    """Share of one core each process used while the swarm ran."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if v is not None and b is not None and real_seconds > 0:
+            out[k] = round((v - b) / real_seconds, 3)
+    return out
+
+
+def _row_fields(s: dict) -> dict:
+    keys = ("turns_per_min", "cache_ratio", "pct_of_ceiling", "ceiling_ratio", "ttft_p50", "ttft_p90", "ttft_p99",
+            "stickiness", "failures", "turns", "prompt_tokens_per_s", "output_tokens_per_s", "mean_prompt_tokens",
+            "loop_lag_p99_ms", "ttft_floor")
+    return {k: s.get(k) for k in keys}
+
+
+# --------------------------------------------------------------------------- table
+
+TABLE_COLUMNS = (
+    ("placement", "placement", "{}"),
+    ("developers", "devs", "{}"),
+    ("hicache", "HiCache", "{}"),
+    ("engines", "engines", "{}"),
+    ("turns_per_min", "turns/min", "{:.1f}"),
+    ("cache_ratio", "cache %", "{:.1%}"),
+    ("pct_of_ceiling", "% of ceiling", "{:.1%}"),
+    ("ttft_p50", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p90", "TTFT p90 s", "{:.2f}"),
+    ("ttft_p99", "TTFT p99 s", "{:.2f}"),
+    ("stickiness", "stickiness", "{:.1%}"),
+    ("failures", "failures", "{}"),
+)
+
+
+def _cell_text(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "-"
+    try:
+        return fmt.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def format_table(rows: list[dict]) -> str:
+    """One Markdown table, one row per cell (a failed cell shows its error below the table)."""
+    head = "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
+    sep = "|" + "|".join(("---" if i < 4 else "---:") for i in range(len(TABLE_COLUMNS))) + "|"
+    lines = [head, sep]
+    errors = []
+    for r in rows:
+        lines.append("| " + " | ".join(_cell_text(r, k, f) for k, _, f in TABLE_COLUMNS) + " |")
+        if r.get("error"):
+            errors.append(f"- {cell_name(r)}: {r['error'].splitlines()[0]}")
+    if errors:
+        lines += ["", "Errors:", *errors]
+    return "\n".join(lines)
+
+
+def _describe(cfg: CompareConfig) -> str:
+    return (f"`ramjet bench compare` seed {cfg.seed}, time scale {cfg.time_scale:g}, warm-up {cfg.warmup:g} s, "
+            f"window {cfg.duration:g} s (engine time), {cfg.engines} engine(s) x {DP_SIZE} ranks, "
+            f"{cfg.kv_tokens_per_rank:,} KV tokens per rank, HiCache {cfg.hicache_tokens_per_rank:,} tokens per rank "
+            f"when on; machine: {os.cpu_count()} CPUs.")
+
+
+def write_outputs(cfg: CompareConfig, rows: list[dict]) -> None:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": {**{k: v for k, v in asdict(cfg).items() if k != "workload"},
+                       "workload": asdict(cfg.workload)}, "rows": rows}
+    (out / "summary.json").write_text(json.dumps(meta, indent=2, default=str))
+    md = ["# Agent-swarm comparison", "", _describe(cfg), "", format_table(rows), ""]
+    busy = [(cell_name(r), k, v) for r in rows for k, v in (r.get("cpu_share") or {}).items() if v >= 0.85]
+    if busy:
+        md += ["Warning: some processes used most of a CPU core, so simulated engine time may have stretched; "
+               "a lower --time-scale gives more faithful figures:",
+               *[f"- {c}: {k} {v:.0%} of a core" for c, k, v in busy], ""]
+    floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
+    if floors:
+        md += ["TTFT floor (median time to first token of tiny one-token requests on the idle stack, in engine "
+               "seconds: real transport and proxy time multiplied by the time scale): " + "; ".join(floors) + ".", ""]
+    shares = [f"{cell_name(r)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["cpu_share"].items())
+              for r in rows if r.get("cpu_share")]
+    if shares:
+        md += ["CPU used while the swarm ran (share of one core):", "", *[f"- {x}" for x in shares], ""]
+    if cfg.plots and any(r.get("turns_per_min") is not None for r in rows):
+        try:
+            from ramjet.bench.plots import make_plots
+            for p in make_plots(rows, out):
+                md.append(f"![{p.stem}]({p.name})")
+        except ImportError as e:  # matplotlib is an optional extra
+            md.append(f"(no plots: {e})")
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / total) if total else width
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def _fmt_s(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def run_compare(placements, developers, hicache=("off",), engines: int = 1, duration: float = 300.0,
+                warmup: float = 60.0, time_scale: float = 20.0, seed: int = 1, salt_prefix: str | None = None,
+                out_dir: str = "bench-results", kv_tokens_per_rank: int = DEFAULT_KV_TOKENS_PER_RANK,
+                hicache_tokens_per_rank: int = DEFAULT_HICACHE_TOKENS_PER_RANK, model: str = "glm-5.3",
+                workload: WorkloadConfig | None = None, ramp: float | None = None, request_timeout: float = 600.0,
+                balancer_env: dict[str, str] | None = None, kv_hint: bool = True, sim_args=(),
+                progress: bool = True, plots: bool = True) -> list[dict]:
+    """Run every cell (hicache x developers x placements) and write DIR/summary.md, summary.json, PNGs, logs/."""
+    cfg = CompareConfig(placements=list(placements), developers=[int(d) for d in developers],
+                        hicache=list(hicache), engines=engines, duration=duration, warmup=warmup, ramp=ramp,
+                        time_scale=time_scale, seed=seed, salt_prefix=salt_prefix, out_dir=str(out_dir),
+                        kv_tokens_per_rank=kv_tokens_per_rank, hicache_tokens_per_rank=hicache_tokens_per_rank,
+                        model=model, workload=workload or WorkloadConfig(), request_timeout=request_timeout,
+                        balancer_env=dict(balancer_env or {}), kv_hint=kv_hint, sim_args=list(sim_args),
+                        progress=progress, plots=plots)
+    return run_compare_config(cfg)
+
+
+def run_compare_config(cfg: CompareConfig) -> list[dict]:
+    cells = cfg.cells()
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    err = sys.stderr
+    for i, cell in enumerate(cells):
+        if cfg.progress:
+            elapsed = time.monotonic() - t0
+            eta = (elapsed / i * (len(cells) - i)) if i else None
+            err.write(f"{_bar(i, len(cells))} cell {i + 1}/{len(cells)}: {cell_name(cell)}   elapsed {_fmt_s(elapsed)}"
+                      + (f", about {_fmt_s(eta)} left" if eta is not None else "") + "\n")
+            err.flush()
+        row = run_cell(cfg, cell, i, len(cells))
+        rows.append(row)
+        write_outputs(cfg, rows)
+        if cfg.progress and row.get("error"):
+            err.write(f"  cell {cell_name(cell)} failed: {row['error'].splitlines()[0]}\n")
+    if cfg.progress:
+        err.write(f"{_bar(len(cells), len(cells))} {len(cells)} cells in {_fmt_s(time.monotonic() - t0)}; "
+                  f"results in {cfg.out_dir}/summary.md\n")
+        err.flush()
+    return rows
+
+
+def estimate_seconds(n_cells: int, warmup: float, duration: float, time_scale: float, engines: int = 1) -> float:
+    """Rough wall-clock time of a comparison: the swarm time plus process start-up per cell."""
+    per_cell = (warmup + duration) / time_scale + 3.0 + 1.0 * engines
+    return n_cells * per_cell
+
+
+def demo_compare(time_scale: float = 20.0, log_dir: str | None = None, developers: int = 16,
+                 seconds: float = 60.0) -> int:
+    """`ramjet demo --swarm`: direct vs relative in about `seconds` of wall time; prints the table."""
+    out_dir = log_dir or tempfile.mkdtemp(prefix="ramjet-swarm-demo-")
+    per_cell = max(seconds / 2 - 4.0, 10.0)            # real seconds of swarm per cell
+    engine_s = per_cell * time_scale
+    warmup = math.floor(engine_s * 0.25)
+    duration = math.floor(engine_s - warmup)
+    print(f"comparing engine round robin (direct) with ramjet (relative affinity): {developers} simulated "
+          f"developers, 8 ranks, {warmup:g}+{duration:g} engine s per placement at time scale {time_scale:g}",
+          file=sys.stderr)
+    rows = run_compare(["direct", "relative"], [developers], hicache=["off"], duration=duration, warmup=warmup,
+                       time_scale=time_scale, out_dir=out_dir, plots=False)
+    print(format_table(rows))
+    print(f"\nlogs and per-request records: {out_dir}")
+    by = {r["placement"]: r for r in rows}
+    d, r = by.get("direct", {}), by.get("relative", {})
+    if any(x.get("error") for x in rows) or d.get("cache_ratio") is None or r.get("cache_ratio") is None:
+        return 1
+    print(f"relative affinity cached {(r['cache_ratio'] - d['cache_ratio']) * 100:+.1f} points more of the prompt "
+          f"vs the engine's own round robin, at {r['turns_per_min'] / d['turns_per_min']:.2f}x the turns/min"
+          if d.get("turns_per_min") else "")
+    return 0
+

@@ -1,0 +1,62 @@
+"""Settings of one simulated SGLang engine.
+
+Defaults model GLM-5.3 on one 8xH200 server with DP attention over 8 ranks and
+an FP8 KV cache; docs/simulator.md explains where each number comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+VERSION = "0.5.20"
+FAULT_MODES = ("none", "wedge", "error", "slow")
+SLOW_FACTOR = 10.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    dp_size: int = 8
+    model_name: str = "glm-5.3"
+    api_key: str | None = None
+    kv_tokens_per_rank: int = 193_000
+    page_tokens: int = 64
+    hicache_tokens_per_rank: int = 0
+    prefill_tokens_per_s: float = 6_500.0
+    hicache_load_tokens_per_s: float = 95_000.0
+    decode_tokens_per_s: float = 32.0
+    max_running_per_rank: int = 16
+    chunked_prefill: int = 32_768
+    time_scale: float = 1.0
+    idle_keepalive_s: float = 5.0
+    health_generation: bool = True  # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    health_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT, real seconds
+    ideal_max_pages: int = 1_000_000
+    faults: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("dp_size", "kv_tokens_per_rank", "page_tokens", "max_running_per_rank",
+                     "chunked_prefill", "ideal_max_pages"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.hicache_tokens_per_rank < 0:
+            problems.append("hicache_tokens_per_rank must be >= 0")
+        for name in ("prefill_tokens_per_s", "hicache_load_tokens_per_s", "decode_tokens_per_s",
+                     "time_scale", "idle_keepalive_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0")
+        if self.kv_tokens_per_rank < self.page_tokens:
+            problems.append("kv_tokens_per_rank must hold at least one page")
+        for rank, mode in self.faults.items():
+            if not 0 <= rank < self.dp_size or mode not in FAULT_MODES:
+                problems.append(f"bad fault {rank}:{mode}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def parse_fault(text: str) -> tuple[int, str]:
+    """`RANK:MODE` as given to `--fault`, e.g. `3:wedge`."""
+    rank, sep, mode = text.partition(":")
+    if not sep or not rank.strip().isdigit() or mode not in FAULT_MODES:
+        raise ValueError(f"expected RANK:MODE with MODE one of {', '.join(FAULT_MODES)}, got {text!r}")
+    return int(rank), mode

@@ -1,0 +1,74 @@
+"""End to end: a short `ramjet bench compare` (direct vs relative) on real simulator and balancer processes,
+and the swarm client against a single simulator."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from ramjet.bench.compare import format_table, run_compare
+from ramjet.bench.summary import summarize
+from ramjet.bench.swarm import SwarmConfig, run_swarm
+from ramjet.bench.workload import WorkloadConfig
+
+
+def _importable(module: str) -> str | None:
+    try:
+        importlib.import_module(module)
+        return None
+    except Exception as e:  # noqa: BLE001 - any import failure means "not built yet"
+        return f"{module} cannot be imported yet ({type(e).__name__}: {e})"
+
+
+_NO_SIM = _importable("ramjet.sim.cli")
+_NO_SERVE = _importable("ramjet.serve") or _importable("ramjet.app")
+
+# A lighter team than the default (fewer bytes per request) so the whole stack stays cheap on 2 cores.
+SMALL = WorkloadConfig(harness_tokens=6000, repo_tokens=2000, tool_result_tokens=600, tool_result_max=4000,
+                       mean_turns=20, compaction_tokens=40_000, summary_tokens=1000, pause_prob=0.02)
+
+
+@pytest.mark.skipif(_NO_SIM is not None, reason=_NO_SIM or "")
+async def test_swarm_against_simulator_reads_usage_rank_and_ceiling(start_sim, tmp_path):
+    url, _ = start_sim("--dp-size", "8", "--time-scale", "50", "--model-name", "glm-5.3")
+    cfg = SwarmConfig(urls=[url], developers=3, duration=150, warmup=50, ramp=10, time_scale=50, seed=3,
+                      salt="e2e-swarm", workload=SMALL, stats_urls=[url], progress=False,
+                      requests_jsonl=str(tmp_path / "req.jsonl"))
+    result = await run_swarm(cfg)
+    ok = [r for r in result.records if r.status == "ok"]
+    assert ok, [r.error for r in result.records][:3]
+    assert all(r.prompt_tokens and r.completion_tokens == r.max_tokens for r in ok)
+    assert all(r.upstream is not None and 0 <= int(r.upstream) < 8 for r in ok)
+    assert all(r.ttft is not None and r.ttft <= r.latency for r in ok)
+    s = summarize(result.records, warmup=cfg.warmup, duration=cfg.duration, stats_start=result.stats_start,
+                  stats_end=result.stats_end)
+    assert s["turns"] > 10 and s["failures"] == 0
+    assert s["ceiling_ratio"] is not None and 0 < s["pct_of_ceiling"] <= 1.0001
+    lines = (tmp_path / "req.jsonl").read_text().splitlines()
+    assert len(lines) == len(result.records) and json.loads(lines[0])["conv"]
+
+
+@pytest.mark.skipif(_NO_SIM is not None or _NO_SERVE is not None, reason=(_NO_SIM or _NO_SERVE or ""))
+def test_compare_direct_vs_relative(tmp_path):
+    rows = run_compare(["direct", "relative"], [4], hicache=["off"], duration=200, warmup=60, ramp=20,
+                       time_scale=50, seed=5, out_dir=str(tmp_path), workload=SMALL, progress=False, plots=True)
+    assert [r["placement"] for r in rows] == ["direct", "relative"]
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        for key in ("turns_per_min", "cache_ratio", "pct_of_ceiling", "ttft_p50", "ttft_p90", "ttft_p99",
+                    "stickiness", "failures"):
+            assert r[key] is not None, key
+        assert r["failures"] == 0
+        assert r["developers"] == 4 and r["hicache"] == "off" and r["engines"] == 1
+    direct, relative = rows
+    assert relative["cache_ratio"] > direct["cache_ratio"] + 0.10
+    assert relative["stickiness"] > direct["stickiness"]
+    table = format_table(rows)
+    assert "| direct | 4 | off | 1 |" in table and "| relative | 4 | off | 1 |" in table
+    assert (tmp_path / "summary.md").read_text().count("| relative |") == 1
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert len(data["rows"]) == 2 and data["rows"][1]["summary"]["by_context"]
+    assert (tmp_path / "cache_ratio.png").stat().st_size > 1000
+    assert any((tmp_path / "logs").iterdir())

@@ -1,0 +1,270 @@
+"""`ramjet validate`: the shipped GLM-5.3 bundle passes; every measured regression fails, naming its rule.
+
+Each regression is applied twice where possible: as a one-line edit to a copy of the
+bundle, and as the environment override an operator would actually type.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ramjet.cli import main
+from ramjet.compose import ComposeError, interpolate, load_bundle, read_env_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE = ROOT / "deploy" / "glm53_h200"
+COMPOSE = BUNDLE / "docker-compose.yaml"
+MODEL_DIR = ROOT / "tests" / "fixtures" / "glm53"
+BUNDLE_VARS = sorted(set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", COMPOSE.read_text())))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """The developer's shell must not leak GLM_*/RAMJET_* values into the judgement."""
+    for name in BUNDLE_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def bundle(tmp_path) -> Path:
+    """A copy of the shipped bundle to break."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, copy)
+    return copy
+
+
+def validate(*args: str, capsys) -> tuple[int, str, str]:
+    rc = main(["validate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def failed_rules(out: str) -> set[str]:
+    return set(re.findall(r"^FAIL ([\w-]+):", out, re.M))
+
+
+def edit(bundle: Path, old: str, new: str) -> None:
+    """Replace exactly one occurrence (so the edit provably touched the intended line)."""
+    file = bundle / "docker-compose.yaml"
+    text = file.read_text()
+    assert text.count(old) == 1, f"{old!r} occurs {text.count(old)} times"
+    file.write_text(text.replace(old, new))
+
+
+def test_shipped_bundle_passes(capsys):
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0, out
+    assert not failed_rules(out)
+    for rule in ("rank-map", "dp-attention", "fp8-kv", "mem-fraction", "chunked-prefill", "running-requests",
+                 "rank-probe", "affinity", "health", "metrics", "tokenizer-workers", "upstream-token",
+                 "loopback-ports", "model-readonly", "pinned-images", "balancer-config", "upstream-url"):
+        assert f"OK {rule}:" in out
+    assert "OK: 17 rules pass" in out
+
+
+def test_shipped_bundle_passes_as_a_subprocess():
+    env = {k: v for k, v in os.environ.items() if k not in BUNDLE_VARS}
+    p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "OK: 17 rules pass" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
+                       env={**env, "GLM_MEM_FRACTION": "0.88"}, cwd=ROOT, timeout=60)
+    assert p.returncode == 1
+    assert "FAIL mem-fraction: --mem-fraction-static must be <= 0.85, got 0.88" in p.stdout
+
+
+# rule, text in the shipped file, one-line regression, what the FAIL line must mention
+EDITS = [
+    ("rank-map", '"0,1,2,3,4,5,6,7"', '"0,1,2,3,4,5,6,6"', "must list 0..7 exactly once, got 0,1,2,3,4,5,6,6"),
+    ("rank-probe", "${RAMJET_RANK_PROBE:-on}", "${RAMJET_RANK_PROBE:-off}", "got off"),
+    ("affinity", "${RAMJET_AFFINITY_BASIS:-relative}", "${RAMJET_AFFINITY_BASIS:-absolute}", "got absolute"),
+    ("health", 'SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: "0"', 'SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: "1"',
+     "got 1"),
+    ("dp-attention", "      --enable-dp-attention,\n", "", "--enable-dp-attention"),
+    ("mem-fraction", "${GLM_MEM_FRACTION:-0.85}", "${GLM_MEM_FRACTION:-0.88}", "got 0.88"),
+    ("chunked-prefill", "${GLM_CHUNKED_PREFILL_SIZE:-32768}", "${GLM_CHUNKED_PREFILL_SIZE:-65536}", "got 65536"),
+    ("tokenizer-workers", "${GLM_TOKENIZER_WORKERS:-4}", "${GLM_TOKENIZER_WORKERS:-1}", "got 1"),
+    ("loopback-ports", "${RAMJET_BIND_ADDR:-127.0.0.1}:${RAMJET_API_PORT:-8000}:8000", "0.0.0.0:8000:8000",
+     "ramjet 0.0.0.0:8000->8000"),
+    ("upstream-token", "RJ_UPSTREAM_TOKEN: ${ENGINE_API_KEY}", "RJ_UPSTREAM_TOKEN: another-token", "--api-key"),
+    ("running-requests", "${GLM_MAX_RUNNING_REQUESTS:-128}", "${GLM_MAX_RUNNING_REQUESTS:-256}", "= 128, got 256"),
+    ("fp8-kv", "--kv-cache-dtype, fp8_e4m3", "--kv-cache-dtype, auto", "got auto"),
+    ("metrics", "      --enable-cache-report,\n", "", "--enable-cache-report missing"),
+    ("model-readonly", "/models/GLM-5.3}:/models/GLM-5.3:ro", "/models/GLM-5.3}:/models/GLM-5.3", "read-only"),
+    ("pinned-images", "lmsysorg/sglang:v0.5.20}", "lmsysorg/sglang:latest}", "engine (lmsysorg/sglang:latest)"),
+    ("upstream-url", "RJ_UPSTREAM: http://engine:30000,", "RJ_UPSTREAM: http://engine:30001,",
+     "entry 0 (http://engine:30001)"),
+]
+
+
+@pytest.mark.parametrize("rule,old,new,mention", EDITS, ids=[e[0] for e in EDITS])
+def test_one_line_regression_fails_naming_its_rule(bundle, capsys, rule, old, new, mention):
+    edit(bundle, old, new)
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 1
+    assert failed_rules(out) == {rule}, out
+    fail_line = next(line for line in out.splitlines() if line.startswith(f"FAIL {rule}:"))
+    assert mention in fail_line
+    assert "FAILED: 1 of" in out
+
+
+# the same regressions, typed as the environment overrides the bundle exposes
+OVERRIDES = [
+    ("mem-fraction", {"GLM_MEM_FRACTION": "0.88"}),
+    ("chunked-prefill", {"GLM_CHUNKED_PREFILL_SIZE": "65536"}),
+    ("tokenizer-workers", {"GLM_TOKENIZER_WORKERS": "1"}),
+    ("running-requests", {"GLM_MAX_RUNNING_REQUESTS": "256"}),
+    ("rank-probe", {"RAMJET_RANK_PROBE": "off"}),
+    ("affinity", {"RAMJET_AFFINITY_BASIS": "absolute"}),
+    ("loopback-ports", {"RAMJET_BIND_ADDR": "0.0.0.0"}),
+    ("loopback-ports", {"GLM_BIND_ADDR": "0.0.0.0"}),
+    ("pinned-images", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang:latest"}),
+    ("pinned-images", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang"}),
+]
+
+
+@pytest.mark.parametrize("rule,env", OVERRIDES, ids=[f"{r}-{next(iter(e))}" for r, e in OVERRIDES])
+def test_environment_override_regression_fails(monkeypatch, capsys, rule, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 1
+    assert failed_rules(out) == {rule}, out
+
+
+def test_dotenv_is_read_and_the_environment_beats_it(bundle, monkeypatch, capsys):
+    (bundle / ".env").write_text("# operator's settings\nGLM_MEM_FRACTION=0.88\nexport GLM_TOKENIZER_WORKERS='1'\n")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"mem-fraction", "tokenizer-workers"}, out
+    monkeypatch.setenv("GLM_MEM_FRACTION", "0.80")
+    monkeypatch.setenv("GLM_TOKENIZER_WORKERS", "8")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0, out
+
+
+def test_env_example_as_dotenv_passes_with_keys_set(bundle, capsys):
+    shutil.copy(bundle / ".env.example", bundle / ".env")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0, out
+    assert "WARN" not in out  # every variable the file uses has a value in the example
+
+
+def test_blank_secrets_are_warned_about(capsys):
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0
+    assert "WARN variables: ENGINE_API_KEY, RAMJET_API_KEYS not set" in out
+
+
+def test_token_set_on_one_side_only_fails(bundle, capsys):
+    edit(bundle, '--api-key, "${ENGINE_API_KEY}"', "--api-key, engine-secret")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert failed_rules(out) == {"upstream-token"}
+    assert "engine-secret" not in out  # secrets are never printed
+
+
+def test_host_ram_rule(capsys):
+    rc, out, _ = validate(BUNDLE, "--host-ram-gb", "2048", capsys=capsys)
+    assert rc == 0 and "OK hicache-ram: 32 GB x 8 ranks = 256 GB of 2048 GB host RAM" in out
+    rc, out, _ = validate(BUNDLE, "--host-ram-gb", "192", capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"hicache-ram"}
+    assert "256 GB exceeds host RAM 192 GB" in out
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert "SKIP hicache-ram: pass --host-ram-gb" in out
+
+
+def test_typo_in_balancer_variable_fails_balancer_config(bundle, capsys):
+    edit(bundle, "RJ_HEALTH_PATH: /health", "RJ_HEALTH_PAHT: /health")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert failed_rules(out) == {"balancer-config"}
+    assert "RJ_HEALTH_PAHT" in out
+
+
+def test_model_dir_reports_kv_capacity_per_rank(capsys):
+    rc, out, _ = validate(BUNDLE, "--model-dir", MODEL_DIR, capsys=capsys)
+    assert rc == 0, out
+    # FP8 weights / 8 GPUs, 141 GB x 0.85 (the bundle's fraction) - 12 GB, 48,408 B/token with the MTP layer
+    assert "OK kv-capacity: ~276,769 tokens per rank, 2,214,152 per server" in out
+
+
+def test_unreadable_inputs_exit_2_with_a_message(tmp_path, capsys):
+    rc, out, err = validate(tmp_path / "missing", capsys=capsys)
+    assert rc == 2 and "no such file or directory" in err and "Traceback" not in err
+    rc, out, err = validate(tmp_path, capsys=capsys)
+    assert rc == 2 and "no compose file" in err
+    (tmp_path / "compose.yaml").write_text("services: [\n")
+    rc, out, err = validate(tmp_path, capsys=capsys)
+    assert rc == 2 and "not valid YAML" in err
+    rc, out, err = validate(BUNDLE, "--model-dir", tmp_path, capsys=capsys)
+    assert rc == 2 and "config.json" in err
+
+
+def test_bundle_without_engine_fails_services(tmp_path, capsys):
+    (tmp_path / "compose.yaml").write_text("services:\n  web:\n    image: nginx:1.27\n")
+    rc, out, _ = validate(tmp_path, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"services"}
+
+
+# --- Compose interpolation and .env, as Compose does them ---------------------------------
+
+@pytest.mark.parametrize("text,env,want", [
+    ("${A}", {"A": "x"}, "x"),
+    ("$A/b", {"A": "x"}, "x/b"),
+    ("${A:-d}", {}, "d"),
+    ("${A:-d}", {"A": ""}, "d"),
+    ("${A-d}", {"A": ""}, ""),
+    ("${A-d}", {}, "d"),
+    ("${A:+alt}", {"A": "x"}, "alt"),
+    ("${A:+alt}", {"A": ""}, ""),
+    ("${A+alt}", {"A": ""}, "alt"),
+    ("${A:-${B:-z}}", {}, "z"),
+    ("${A:-${B}}", {"B": "b"}, "b"),
+    ("$$A and $${B}", {"A": "x"}, "$A and ${B}"),
+    ("${A:-0.0.0.0}:8000:8000", {}, "0.0.0.0:8000:8000"),
+])
+def test_interpolation(text, env, want):
+    assert interpolate(text, env) == want
+
+
+def test_interpolation_errors_and_blanks():
+    blank: set[str] = set()
+    assert interpolate("${A}${B:-x}", {}, blank) == "x" and blank == {"A"}
+    with pytest.raises(ComposeError, match="required variable A is missing a value: set A"):
+        interpolate("${A:?set A}", {"A": ""})
+    assert interpolate("${A?unset}", {"A": ""}) == ""
+    for bad in ("${A", "${A:x}", "cost $5", "${}"):
+        with pytest.raises(ComposeError):
+            interpolate(bad, {})
+
+
+def test_env_file_parsing(tmp_path):
+    f = tmp_path / ".env"
+    f.write_text('# comment\n\nA=plain # trailing comment\nexport B="two words\\n"\n'
+                 "C='${A} stays literal'\nD=${A}-x\nE=\n")
+    assert read_env_file(f, {}) == {"A": "plain", "B": "two words\n", "C": "${A} stays literal",
+                                    "D": "plain-x", "E": ""}
+    f.write_text("not a pair\n")
+    with pytest.raises(ComposeError, match="expected KEY=VALUE"):
+        read_env_file(f, {})
+
+
+def test_long_syntax_ports_volumes_and_env_lists(tmp_path):
+    (tmp_path / "svc.env").write_text("FROM_FILE=1\nOVERRIDDEN=file\n")
+    (tmp_path / "compose.yaml").write_text(
+        "services:\n  s:\n    image: x:1\n    env_file: svc.env\n"
+        "    environment: [OVERRIDDEN=inline, PASSED, MISSING]\n"
+        "    ports:\n      - {target: 80, published: 8080, host_ip: 127.0.0.1}\n      - '[::1]:9000:9000/tcp'\n"
+        "      - '9100:9100'\n"
+        "    volumes:\n      - {type: bind, source: /m, target: /models, read_only: true}\n      - data:/data\n")
+    svc = load_bundle(tmp_path, {"PASSED": "p"}).services["s"]
+    assert svc.environment == {"FROM_FILE": "1", "OVERRIDDEN": "inline", "PASSED": "p"}
+    assert [(p.host_ip, p.published, p.target) for p in svc.ports] == [
+        ("127.0.0.1", "8080", "80"), ("::1", "9000", "9000"), (None, "9100", "9100")]
+    assert [(m.target, m.read_only) for m in svc.mounts] == [("/models", True), ("/data", False)]
