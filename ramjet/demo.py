@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    procs.stop_on_sigterm()
     if args.swarm:
         from ramjet.bench.compare import demo_compare
         return demo_compare(time_scale=max(args.time_scale, 20.0), log_dir=args.log_dir)
@@ -44,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     sim_url = f"http://127.0.0.1:{sim_port}"
     print(f"starting simulated SGLang engine (8 DP ranks, time scale {args.time_scale:g}) on {sim_url}",
           file=sys.stderr)
+    # The engine runs as the Compose bundle deploys it: a /health that does not generate.
     with procs.start_sim(sim_port, "--dp-size", "8", "--time-scale", str(args.time_scale),
-                         log_path=f"{log_dir}/sim.log"):
+                         log_path=f"{log_dir}/sim.log", env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}):
         env = {"RJ_UPSTREAM": sim_url, "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_UPSTREAM_RANK_PROBE": "on",
                "RJ_HEALTH_INTERVAL_MS": "2000"}
         with procs.start_balancer(port, env, log_path=f"{log_dir}/balancer.log"):

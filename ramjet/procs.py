@@ -19,6 +19,13 @@ from pathlib import Path
 import httpx
 
 
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so `with` blocks stop the children a command started."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -72,3 +72,48 @@ def test_compare_direct_vs_relative(tmp_path):
     assert len(data["rows"]) == 2 and data["rows"][1]["summary"]["by_context"]
     assert (tmp_path / "cache_ratio.png").stat().st_size > 1000
     assert any((tmp_path / "logs").iterdir())
+
+
+async def test_swarm_records_failures_and_stops_on_time_against_a_dead_url():
+    from ramjet.procs import free_port
+    cfg = SwarmConfig(urls=[f"http://127.0.0.1:{free_port()}"], developers=2, duration=20, warmup=0, ramp=0,
+                      time_scale=10, seed=1, salt="dead", workload=SMALL, progress=False, floor_probes=1)
+    import time
+    t = time.monotonic()
+    result = await run_swarm(cfg)
+    assert time.monotonic() - t < 6
+    assert result.records and all(r.status in ("error", "cancelled") for r in result.records)
+    assert result.ttft_floor is None
+    s = summarize(result.records, warmup=0, duration=20)
+    assert s["turns"] == 0 and s["failures"] >= 2 and "error" in s["failures_by_status"]
+
+
+@pytest.mark.skipif(_NO_SIM is not None, reason=_NO_SIM or "")
+async def test_swarm_counts_engine_errors_and_retries(start_sim):
+    url, _ = start_sim("--dp-size", "8", "--time-scale", "50", "--fault", "0:error")
+    cfg = SwarmConfig(urls=[url], developers=2, duration=100, warmup=0, ramp=0, time_scale=50, seed=2,
+                      salt="faults", workload=SMALL, progress=False, floor_probes=0)
+    result = await run_swarm(cfg)
+    s = summarize(result.records, warmup=0, duration=100)
+    assert s["turns"] > 5
+    assert s["failures"] >= 1 and all(k.startswith("http_5") for k in s["failures_by_status"])
+    failed = [r for r in result.records if r.status.startswith("http_")]
+    assert all(r.upstream == "0" and r.error for r in failed)
+    # a failed turn is re-sent: the same conversation turn succeeds later on another rank
+    retried = {(r.conv, r.turn) for r in failed}
+    assert any((r.conv, r.turn) in retried for r in result.records if r.status == "ok")
+
+
+def test_cli_parses_bench_subcommands():
+    import argparse
+
+    from ramjet.bench import cli
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    a = p.parse_args(["compare", "--placements", "direct,relative", "--developers", "16,64", "--hicache", "off,on",
+                      "--tool-result-tokens", "1000", "--out", "x"])
+    assert a.placements == ["direct", "relative"] and a.developers == [16, 64] and a.hicache == ["off", "on"]
+    assert a.time_scale == 20.0 and cli._workload(a).tool_result_tokens == 1000
+    a = p.parse_args(["swarm", "http://h:1", "http://h:2", "--developers", "3", "--sim-url", "http://s:1,http://s:2"])
+    assert a.url == ["http://h:1", "http://h:2"] and a.time_scale == 1.0 and a.developers == 3
+    assert cli._workload(a).fast_start is True

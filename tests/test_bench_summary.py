@@ -165,3 +165,81 @@ def test_compare_cells_and_validation():
         CompareConfig(placements=["roundrobin"], developers=[16])
     with pytest.raises(ValueError):
         CompareConfig(placements=["direct"], developers=[16], hicache=["maybe"])
+
+
+# --------------------------------------------------------------------------- the swarm's stream tap
+
+def _sse(*events: bytes):
+    """An SSE body streamed one event per read, as a server sends it."""
+    async def gen():
+        for e in events:
+            yield b"data: " + e + b"\n\n"
+    return gen()
+
+
+_ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}'
+_TOKEN = b'{"choices":[{"index":0,"delta":{"content":" the"},"finish_reason":null}]}'
+_USAGE_EV = (b'{"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,'
+             b'"prompt_tokens_details":{"cached_tokens":%d}}}')
+
+
+async def _one_swarm(handler, turns_wanted: int = 6):
+    import httpx
+
+    from ramjet.bench.swarm import Swarm, SwarmConfig
+    from ramjet.bench.workload import WorkloadConfig
+
+    cfg = SwarmConfig(urls=["http://target"], developers=1, duration=20, warmup=0, ramp=0, time_scale=100,
+                      seed=1, salt="mock", progress=False, floor_probes=1,
+                      workload=WorkloadConfig(fail_backoff_seconds=0.5, tool_seconds=0.5, pause_prob=0,
+                                              subagent_prob=0))
+    swarm = Swarm(cfg, transport=httpx.MockTransport(handler))
+    return await swarm.run()
+
+
+async def test_swarm_reads_usage_upstream_and_ttft_from_the_stream():
+    import httpx
+    import orjson
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content)
+        seen.append(body)
+        n = body["max_tokens"]
+        return httpx.Response(200, headers={"content-type": "text/event-stream", "x-ramjet-upstream": "5"},
+                              content=_sse(_ROLE, *[_TOKEN] * 3, _USAGE_EV % (1000, n, 640), b"[DONE]"))
+
+    result = await _one_swarm(handler)
+    ok = [r for r in result.records if r.status == "ok"]
+    assert len(ok) >= 3
+    assert all(r.upstream == "5" and r.prompt_tokens == 1000 and r.cached_tokens == 640 for r in ok)
+    assert all(r.completion_tokens == r.max_tokens and r.ttft is not None for r in ok)
+    assert result.ttft_floor is not None
+    agent_bodies = [b for b in seen if b.get("tools")]
+    assert agent_bodies[0]["stream_options"] == {"include_usage": True}
+    # the second request re-sends the first one's messages, then the reply and the tool result
+    first, second = agent_bodies[0]["messages"], agent_bodies[1]["messages"]
+    assert second[:len(first)] == first and second[len(first)]["role"] == "assistant"
+
+
+async def test_swarm_marks_bad_streams_and_http_errors_as_failures():
+    import httpx
+    calls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        k = calls["n"] % 4
+        sse = {"content-type": "text/event-stream", "x-sim-dp-rank": "2"}
+        if k == 1:   # cut off mid-stream: no usage, no [DONE]
+            return httpx.Response(200, headers=sse, content=_sse(_ROLE, _TOKEN))
+        if k == 2:   # the balancer's error event after the upstream died
+            return httpx.Response(200, headers=sse, content=_sse(_ROLE, _TOKEN, b'{"error":{"message":"upstream"}}'))
+        if k == 3:
+            return httpx.Response(503, json={"error": {"message": "no upstream"}})
+        return httpx.Response(200, headers=sse, content=_sse(_ROLE, _TOKEN, _USAGE_EV % (10, 1, 0), b"[DONE]"))
+
+    result = await _one_swarm(handler)
+    statuses = {r.status for r in result.records}
+    assert {"stream_error", "http_503", "ok"} <= statuses
+    assert all(r.upstream == "2" for r in result.records if r.status != "http_503")
+    assert any("[DONE]" in (r.error or "") for r in result.records)

@@ -27,7 +27,8 @@ def set_fault(sim_url: str, rank: int, mode: str) -> None:
 
 
 def test_wedged_rank_is_fenced_its_sessions_move_and_it_returns(start_sim, start_balancer):
-    sim_url, _ = start_sim(*FAST)
+    # As deployed: a non-generating engine /health, so only the rank probe can see the wedge.
+    sim_url, _ = start_sim(*FAST, env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})
     url, _ = start_balancer(upstream=sim_url, upstream_dp_size="8", liveness_window_ms="200", **PROBING)
     warm = asyncio.run(run_sessions(url, sessions=16, turns=2))
     assert warm.failures == 0 and "3" in warm.upstreams

@@ -16,6 +16,17 @@ Placements:
                  `ramjet serve` with RJ_ROUTE_AFFINITY_BASIS set to that basis.
   load           `ramjet serve` with RJ_AFFINITY=load (affinity off: least load only).
   sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
+
+Which replica served a request: `X-Ramjet-Upstream` (the balancer's ordinal, engine x 8 +
+rank), else the simulator's `X-Sim-Dp-Rank` (which the SGLang router passes through). With
+several engines behind the SGLang router only the rank is visible, so its stickiness then
+counts "same rank number" and is an upper bound.
+
+Time scale: the simulators run `--time-scale` times faster than real time and the swarm
+scales its waits and measurements to match, so every figure reads in engine time. Real
+transport and proxy time is scaled up too; each cell measures that floor first (tiny
+one-token requests, `ttft_floor`) and records the CPU share of every process, with a
+warning in summary.md when one was near a full core (engine time may have stretched).
 """
 
 from __future__ import annotations

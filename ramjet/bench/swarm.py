@@ -136,8 +136,9 @@ def parse_usage(tail: bytes) -> dict | None:
 
 
 class Swarm:
-    def __init__(self, cfg: SwarmConfig):
+    def __init__(self, cfg: SwarmConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.cfg = cfg
+        self.transport = transport  # tests plug an httpx.MockTransport in here
         self.S = cfg.time_scale
         self.agents: list[Agent] = build_team(cfg.workload, cfg.developers, cfg.seed, cfg.salt)
         self.records: list[RequestRecord] = []
@@ -209,9 +210,10 @@ class Swarm:
                             rec.status = "stream_error"
                             j = tail.rfind(b'"error"')
                             rec.error = tail[j:j + 300].decode(errors="replace")
-                        elif first is None and usage is None:
+                        elif usage is None and (first is None or b"[DONE]" not in tail):
                             rec.status = "stream_error"
-                            rec.error = "stream ended without content or usage"
+                            rec.error = ("stream ended without content or usage" if first is None
+                                         else "stream ended before its end ([DONE])")
         except asyncio.CancelledError:
             rec.status = "cancelled"
             raise
@@ -322,7 +324,8 @@ class Swarm:
         wall0 = time.time()
         stats_start = stats_end = floor = None
         try:
-            async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+            async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
+                                         transport=self.transport) as client:
                 floor = await self._floor(client) if cfg.floor_probes > 0 else None
                 self.t0 = time.monotonic()
                 end_engine = cfg.warmup + cfg.duration

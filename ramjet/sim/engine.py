@@ -72,6 +72,8 @@ class Req:
 
 
 class Rank:
+    """One DP rank: its private cache, queue, running requests, fault mode and counters."""
+
     def __init__(self, index: int, config: SimConfig, engine: "Engine"):
         self.index = index
         self.config = config

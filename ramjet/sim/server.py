@@ -41,7 +41,7 @@ def _error(e: ApiError, headers: dict[str, str] | None = None) -> Response:
 
 
 class _ApiKeyGuard:
-    """Bearer check for every route but the health checks (SGLang exempts paths under /health)."""
+    """Bearer check on every route except paths under /health, so health probes need no key."""
 
     def __init__(self, app, key: str):
         self.app = app
@@ -212,7 +212,8 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", sim_faults, methods=["GET", "POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.engine = engine
     if config.api_key:
         app.add_middleware(_ApiKeyGuard, key=config.api_key)
