@@ -85,6 +85,12 @@ class Fleet:
         self.metrics.in_flight.labels(*s.labels).set(s.in_flight)
         self.metrics.load_units.labels(*s.labels).set(s.load_units)
 
+    def release(self, i: int, units: float) -> None:
+        """Give back part of a request's reservation (its prefill is done)."""
+        s = self.states[i]
+        s.load_units -= units
+        self.metrics.load_units.labels(*s.labels).set(s.load_units)
+
     def end(self, i: int, units: float) -> None:
         s = self.states[i]
         s.in_flight -= 1

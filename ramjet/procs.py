@@ -117,13 +117,8 @@ def start_sim(port: int, *args: str, host: str = "127.0.0.1", log_path: str | Pa
               env: dict[str, str] | None = None, timeout: float = 30.0) -> ManagedProcess:
     """Start `ramjet sim` on host:port with extra CLI `args`; return once it answers."""
     argv = [sys.executable, "-m", "ramjet", "sim", "--host", host, "--port", str(port), *args]
-    p = ManagedProcess(f"sim:{port}", argv, env={**os.environ, **(env or {})}, log_path=log_path).start()
-    try:
-        p.wait_http(f"http://{host}:{port}/get_server_info", timeout=timeout, ok_statuses=(200, 401))
-    except Exception:
-        p.stop()
-        raise
-    return p
+    p = ManagedProcess(f"sim:{port}", argv, env={**os.environ, **(env or {})}, log_path=log_path)
+    return _start_ready(p, f"http://{host}:{port}/get_server_info", (200, 401), timeout)
 
 
 def start_balancer(port: int, env: dict[str, str], log_path: str | Path | None = None,
@@ -133,10 +128,16 @@ def start_balancer(port: int, env: dict[str, str], log_path: str | Path | None =
     full_env.update(env)
     full_env["RJ_API_ADDR"] = f"127.0.0.1:{port}"
     argv = [sys.executable, "-m", "ramjet", "serve"]
-    p = ManagedProcess(f"balancer:{port}", argv, env=full_env, log_path=log_path).start()
+    p = ManagedProcess(f"balancer:{port}", argv, env=full_env, log_path=log_path)
+    return _start_ready(p, f"http://127.0.0.1:{port}/health", (200, 503), timeout)
+
+
+def _start_ready(p: ManagedProcess, url: str, ok_statuses: tuple[int, ...], timeout: float) -> ManagedProcess:
+    """Start `p` and wait until `url` answers; never leave it running if it does not."""
+    p.start()
     try:
-        p.wait_http(f"http://127.0.0.1:{port}/health", timeout=timeout, ok_statuses=(200, 503))
-    except Exception:
+        p.wait_http(url, timeout=timeout, ok_statuses=ok_statuses)
+    except BaseException:
         p.stop()
         raise
     return p
@@ -145,3 +146,38 @@ def start_balancer(port: int, env: dict[str, str], log_path: str | Path | None =
 def sglang_router_binary() -> str | None:
     """Path of the `sglang-router` launcher from the sglang-router wheel, if installed."""
     return shutil.which("sglang-router")
+
+
+def start_sglang_router(port: int, worker_urls: list[str], model: str = "glm-5.3",
+                        log_path: str | Path | None = None, timeout: float = 90.0) -> ManagedProcess:
+    """The SGLang router (cache_aware, --dp-aware) on 127.0.0.1:port, its metrics on loopback too.
+
+    It answers /health before it has registered its workers, so readiness is a real
+    one-token completion through it.
+    """
+    binary = sglang_router_binary()
+    if binary is None:
+        raise RuntimeError("sglang-router is not installed (pip install sglang-router==0.3.2)")
+    argv = [binary, "launch", "--worker-urls", *worker_urls, "--policy", "cache_aware", "--dp-aware",
+            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    p = ManagedProcess(f"sglang-router:{port}", argv, env=dict(os.environ), log_path=log_path).start()
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    try:
+        while time.monotonic() < deadline:
+            if not p.alive():
+                raise RuntimeError(f"sglang-router exited with code {p.proc.returncode}; {p.tail()}")
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=5)
+                if r.status_code == 200:
+                    return p
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = type(e).__name__
+            time.sleep(0.25)
+        raise TimeoutError(f"sglang-router never routed a request ({last}); {p.tail()}")
+    except BaseException:
+        p.stop()
+        raise

@@ -23,7 +23,7 @@ from ramjet.health import Fleet, is_refused
 from ramjet.index import PrefixIndex
 from ramjet.journal import Journal
 from ramjet.metrics import Metrics
-from ramjet.scoring import Policy, Ranking, load_units, rank
+from ramjet.scoring import DECODE_UNITS, Policy, Ranking, load_units, rank
 from ramjet.topology import Replica
 from ramjet.usage import UsageTap
 
@@ -89,7 +89,8 @@ class Proxy:
         n = len(self.replicas)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.affinity else [0] * n
         covered = [fp.covered_bytes(o) / chunk for o in overlaps]
-        ranking = rank(covered, self.fleet.loads(), self.fleet.serving(), self.policy, next(self._rotation))
+        ranking = rank(covered, self.fleet.loads(), self.fleet.serving(), self.policy, next(self._rotation),
+                       fp.prompt_bytes / chunk)
         return fp, overlaps, ranking
 
     def _next(self, order: list[int], tried: set[int], failed_engines: set[str]) -> int | None:
@@ -150,6 +151,10 @@ class Proxy:
                     continue
                 record["attempts"].append({"upstream": i, "status": resp.status_code})
                 record["choice"] = i
+                # The first byte means the prefill is done: from now on the request only
+                # holds a decode slot, and must not keep new sessions off this replica.
+                self.fleet.release(i, units - DECODE_UNITS)
+                units = DECODE_UNITS
                 if 200 <= resp.status_code < 300:
                     self.index.record(i, fp.blocks)
                     self.metrics.index_blocks.labels(*replica.labels).set(self.index.size(i))
@@ -173,10 +178,8 @@ class Proxy:
         await _send_json(send, status, error_body(message, "upstream_error", code=last.reason if last else None))
 
     def _failed(self, i: int, failure: _Failed) -> None:
-        if failure.reason != "refused":
-            self.metrics.failovers.labels(failure.reason).inc()
-        else:
-            self.metrics.failovers.labels("refused").inc()
+        """Count an abandoned attempt; fence for the failures that are the replica's fault."""
+        self.metrics.failovers.labels(failure.reason).inc()
         if failure.reason in ("http_5xx", "first_byte_timeout", "refused"):
             self.fleet.request_failed(i, f"request_{failure.reason}", refused=failure.reason == "refused")
 

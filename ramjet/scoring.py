@@ -8,6 +8,9 @@ of a message counts for what it covers). credit(r) rewards it, capped at C:
   marginal  min(overlap - min peer overlap, C)
   relative  C - min(max peer overlap - overlap, C) the warmest replica gets C, the
                                                   others lose a point per block they lack
+  ttft      -alpha * (uncovered bytes / load unit): with load counted as queued
+            prefill, score = -alpha * (work ahead + own uncached work), an estimate
+            of time to first token with no cap and no stickiness of its own
 score(r) = credit(r) - alpha * load(r). Candidates are ordered serving first,
 then score, then raw overlap, then a rotating tie-break so ties spread out.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import ceil
 
-BASES = ("absolute", "marginal", "relative")
+BASES = ("absolute", "marginal", "relative", "ttft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +34,11 @@ class Policy:
     max_load_units: int = 8
 
 
-def credits(overlaps: list[float], serving: list[bool], basis: str, cap: int) -> list[float]:
+def credits(overlaps: list[float], serving: list[bool], basis: str, cap: int,
+            prompt_blocks: float = 0.0, blocks_per_unit: float = 16.0, alpha: float = 4.0) -> list[float]:
     peers = [o for o, s in zip(overlaps, serving) if s] or overlaps
+    if basis == "ttft":
+        return [-alpha * max(prompt_blocks - o, 0) / blocks_per_unit for o in overlaps]
     if basis == "absolute":
         return [min(o, cap) for o in overlaps]
     if basis == "marginal":
@@ -45,6 +51,7 @@ def credits(overlaps: list[float], serving: list[bool], basis: str, cap: int) ->
 
 
 LOAD_STEP = 8  # load is counted in eighths of a unit: exact in binary, so sums return to 0
+DECODE_UNITS = 1 / LOAD_STEP  # what a request still holds once its prefill is done: a decode slot
 
 
 def load_units(prompt_bytes: int, covered_bytes: int, policy: Policy) -> float:
@@ -70,10 +77,11 @@ class Ranking:
 
 
 def rank(overlaps: list[float], loads: list[float], serving: list[bool], policy: Policy,
-         rotation: int) -> Ranking:
+         rotation: int, prompt_blocks: float = 0.0) -> Ranking:
     n = len(overlaps)
     if policy.affinity:
-        cred = credits(overlaps, serving, policy.basis, policy.cap_blocks)
+        cred = credits(overlaps, serving, policy.basis, policy.cap_blocks, prompt_blocks,
+                       policy.load_unit_bytes / policy.chunk_bytes, policy.alpha)
     else:
         cred = [0.0] * n
     scores = [c - policy.alpha * load for c, load in zip(cred, loads)]

@@ -132,7 +132,7 @@ def test_estimate_matches_serialised_size():
 
 
 def test_size_distributions_within_bounds():
-    cfg = WorkloadConfig()
+    cfg = WorkloadConfig(mean_turns=30)
     rng = random.Random(1)
     lengths = [geometric(rng, cfg.mean_turns, cfg.max_turns) for _ in range(20000)]
     assert min(lengths) >= 1 and max(lengths) <= cfg.max_turns

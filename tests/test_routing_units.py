@@ -188,3 +188,12 @@ def test_usage_tap_json_and_generate_meta_info():
              b'data: [DONE]\n\n')
     assert gen.usage().prompt_tokens == 9 and gen.usage().cached_tokens == 8
     assert UsageTap(sse=False).usage() is None
+
+
+def test_ttft_basis_weighs_uncached_work_against_queued_work():
+    policy = Policy(basis="ttft", alpha=4, chunk_bytes=2048, load_unit_bytes=32768)
+    # 64 blocks of prompt: replica 0 holds 48 of them but has 2 units queued; replica 1 holds none.
+    r = rank([48, 0], [2, 0], [True, True], policy, rotation=0, prompt_blocks=64)
+    assert r.order[0] == 0  # 1 unit uncached + 2 queued beats 4 units uncached
+    r = rank([48, 0], [4, 0], [True, True], policy, rotation=0, prompt_blocks=64)
+    assert r.order[0] == 1

@@ -46,11 +46,11 @@ from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
 
-PLACEMENTS = ("direct", "relative", "absolute", "marginal", "load", "sglang-router")
-BALANCER_PLACEMENTS = ("relative", "absolute", "marginal", "load")
+PLACEMENTS = ("direct", "relative", "absolute", "marginal", "ttft", "load", "sglang-router")
+BALANCER_PLACEMENTS = ("relative", "absolute", "marginal", "ttft", "load")
 DP_SIZE = 8
 DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
-DEFAULT_HICACHE_TOKENS_PER_RANK = 800_000  # 32 GB host memory per rank at ~40 KB per token
+DEFAULT_HICACHE_TOKENS_PER_RANK = 670_000  # 32 GB host memory per rank at ~47.7 KB per token (ramjet fit)
 
 
 @dataclass
@@ -104,20 +104,9 @@ def cell_name(cell: dict) -> str:
     return f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
 
 
-def _start_router(urls: list[str], logs: Path, name: str) -> tuple[str, procs.ManagedProcess]:
-    binary = procs.sglang_router_binary()
-    if binary is None:
-        raise RuntimeError("sglang-router is not installed (pip install sglang-router==0.3.2)")
+def _start_router(urls: list[str], logs: Path, name: str, model: str) -> tuple[str, procs.ManagedProcess]:
     port = procs.free_port()
-    argv = [binary, "launch", "--worker-urls", *urls, "--policy", "cache_aware", "--dp-aware",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
-    p = procs.ManagedProcess(f"sglang-router:{port}", argv, env=dict(os.environ),
-                             log_path=logs / f"{name}-router.log").start()
-    try:
-        p.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=90.0)
-    except Exception:
-        p.stop()
-        raise
+    p = procs.start_sglang_router(port, urls, model=model, log_path=logs / f"{name}-router.log")
     return f"http://127.0.0.1:{port}", p
 
 
@@ -165,7 +154,7 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
         if placement == "direct":
             urls = sim_urls
         elif placement == "sglang-router":
-            url, p = _start_router(sim_urls, logs, name)
+            url, p = _start_router(sim_urls, logs, name, cfg.model)
             started.append(p)
             urls = [url]
         else:
