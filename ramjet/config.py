@@ -171,6 +171,7 @@ class Settings(BaseSettings):
     affinity: Literal["prefix", "load"] = "prefix"
     route_affinity_basis: Literal["absolute", "marginal", "relative", "ttft"] = "relative"
     route_alpha: float = Field(4.0, ge=0, allow_inf_nan=False)
+    route_new_sessions: Literal["affinity", "balance"] = "affinity"
     route_chunk_bytes: int = Field(2048, ge=64)
     route_max_prefix_bytes: int = Field(2 * MIB, ge=64)
     route_max_overlap_blocks: int = Field(32, ge=1)

@@ -118,13 +118,14 @@ def filler(rng: random.Random, n_bytes: int) -> str:
 async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_bytes: int = 72_000,
                        task_bytes: int = 4_000, turn_bytes: int = 6_000, seed: int = 1, model: str = "glm-5.3",
                        api_key: str | None = None, timeout: float = 120.0, tool_s: float = 0.4,
-                       path: str = "/v1/chat/completions") -> SessionReport:
+                       path: str = "/v1/chat/completions", first_session: int = 0) -> SessionReport:
     """Concurrent agent-like sessions: a shared harness prompt, then each turn appends a tool result.
 
     The first user message carries the task and the context an agent harness adds
     to it (about 1K tokens). Before each turn a session "runs its tool" for a
     random 0..`tool_s` seconds, so sessions do not move in lockstep. Streams every turn with usage, and records
-    which upstream served it.
+    which upstream served it. Sessions are numbered from `first_session`: the same seed and number replay
+    the same conversation, a new number starts a new one on the same harness.
     """
     rng = random.Random(seed)
     harness = filler(rng, harness_bytes)
@@ -158,7 +159,7 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
                                    {"role": "user", "content": "tool result: " + filler(srng, turn_bytes)}]
 
     async with httpx.AsyncClient(timeout=timeout) as client:
-        await asyncio.gather(*(one(s, client) for s in range(sessions)))
+        await asyncio.gather(*(one(s, client) for s in range(first_session, first_session + sessions)))
     return report
 
 

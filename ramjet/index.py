@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+TIP = 0x5A17_7195_C0FF_EE01  # xor-ed into a request's last block hash: "an answered request ended here"
+
 
 class PrefixIndex:
-    def __init__(self, capacities: list[int]):
+    def __init__(self, capacities: list[int], mark_ends: bool = False):
+        """`mark_ends`: also remember where each answered request ended (see `continues`)."""
+        self._mark_ends = mark_ends
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
         self._capacity = list(capacities)
         self._holders: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
@@ -58,7 +62,7 @@ class PrefixIndex:
         lru = self._lru[replica]
         bit = 1 << replica
         holders = self._holders
-        for h in reversed(blocks):
+        for h in ([blocks[-1] ^ TIP] if self._mark_ends and blocks else []) + blocks[::-1]:
             if h in lru:
                 lru.move_to_end(h)
             else:
@@ -67,6 +71,19 @@ class PrefixIndex:
         while len(lru) > self._capacity[replica]:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
+
+    def continues(self, blocks: list[int], overlaps: list[int]) -> bool:
+        """Does the request extend a conversation: does its deepest match end where an answered request ended?
+
+        A conversation's next turn repeats its previous prompt whole and appends to it. A new
+        session, a sub-agent with a fresh context, or a compacted history instead leaves an
+        existing chain part-way (after the shared harness, say): that prefix is not its own.
+        """
+        depth = max(overlaps, default=0)
+        if depth == 0:
+            return False
+        deepest = sum(1 << i for i, o in enumerate(overlaps) if o == depth)
+        return bool(self._holders.get(blocks[depth - 1] ^ TIP, 0) & deepest)
 
     def clear(self, replica: int) -> None:
         """Forget everything about `replica` (its engine restarted: the cache is gone)."""

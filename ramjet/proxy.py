@@ -17,6 +17,7 @@ import httpx
 import orjson
 
 from ramjet.config import Settings
+from ramjet.demand import Demand
 from ramjet.errors import ApiError, error_body
 from ramjet.fingerprint import Fingerprint, fingerprint
 from ramjet.health import Fleet, is_refused
@@ -64,13 +65,16 @@ class Proxy:
         self.metrics = metrics
         self.client = client
         self.journal = journal
-        self.index = PrefixIndex([settings.index_capacity_for(r.kv_capacity_tokens) for r in replicas])
         self.fleet = Fleet(replicas, settings, metrics, on_engine_down=self._forget)
         self.policy = Policy(basis=settings.route_affinity_basis, affinity=settings.affinity == "prefix",
                              cap_blocks=settings.route_max_overlap_blocks, alpha=settings.route_alpha,
                              chunk_bytes=settings.route_chunk_bytes,
                              load_unit_bytes=settings.route_load_unit_bytes,
                              max_load_units=settings.route_max_load_units)
+        self.balance_new_sessions = settings.route_new_sessions == "balance" and self.policy.affinity
+        self.index = PrefixIndex([settings.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
+                                 mark_ends=self.balance_new_sessions)
+        self.demand = Demand(len(replicas))
         token = settings.upstream_token.get_secret_value() if settings.upstream_token else None
         self.auth = [(b"authorization", b"Bearer " + token.encode())] if token else []
         self._rotation = itertools.count()
@@ -79,6 +83,7 @@ class Proxy:
 
     def _forget(self, i: int) -> None:
         self.index.clear(i)
+        self.demand.clear(i)
         self.metrics.index_blocks.labels(*self.replicas[i].labels).set(0)
 
     # --- routing ----------------------------------------------------------
@@ -89,8 +94,10 @@ class Proxy:
         n = len(self.replicas)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.affinity else [0] * n
         covered = [fp.covered_bytes(o) / chunk for o in overlaps]
-        ranking = rank(covered, self.fleet.loads(), self.fleet.serving(), self.policy, next(self._rotation),
-                       fp.prompt_bytes / chunk)
+        serving = self.fleet.serving()
+        new_session = self.balance_new_sessions and not self.index.continues(fp.blocks, overlaps)
+        ranking = rank(covered, self.fleet.loads(), serving, self.policy, next(self._rotation),
+                       fp.prompt_bytes / chunk, new_session, self.demand.shares(serving) if new_session else None)
         return fp, overlaps, ranking
 
     def _next(self, order: list[int], tried: set[int], failed_engines: set[str]) -> int | None:
@@ -157,6 +164,8 @@ class Proxy:
                 units = DECODE_UNITS
                 if 200 <= resp.status_code < 300:
                     self.index.record(i, fp.blocks)
+                    if self.balance_new_sessions:
+                        self.demand.record(i, fp.prompt_bytes)
                     self.metrics.index_blocks.labels(*replica.labels).set(self.index.size(i))
                     self.fleet.progressed(i)
                     best = max((o for o, s in zip(overlaps, self.fleet.serving()) if s), default=0)

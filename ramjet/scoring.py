@@ -11,8 +11,17 @@ of a message counts for what it covers). credit(r) rewards it, capped at C:
   ttft      -alpha * (uncovered bytes / load unit): with load counted as queued
             prefill, score = -alpha * (work ahead + own uncached work), an estimate
             of time to first token with no cap and no stickiness of its own
-score(r) = credit(r) - alpha * load(r). Candidates are ordered serving first,
-then score, then raw overlap, then a rotating tie-break so ties spread out.
+score(r) = credit(r) - alpha * load(r).
+
+With RJ_ROUTE_NEW_SESSIONS=balance (experimental), a request that starts a new
+conversation (its prefix is some other conversation's, such as a shared
+harness: see PrefixIndex.continues) is placed differently under every basis:
+the prefix it matches is nobody's own history, so lacking it costs only its
+prefill work, alpha * missing blocks / blocks per load unit, and
+score(r) -= balance * min(demand share(r), 2), the replica's recent answered
+prompt bytes over the average (demand.py), so new sessions go where fewer live.
+Candidates are ordered serving first, then score, then raw overlap, then a
+rotating tie-break so ties spread out.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ class Policy:
     chunk_bytes: int = 2048
     load_unit_bytes: int = 32768
     max_load_units: int = 8
+    balance: float = 8.0         # points per unit of demand share, for new sessions under "balance"
 
 
 def credits(overlaps: list[float], serving: list[bool], basis: str, cap: int,
@@ -76,10 +86,19 @@ class Ranking:
     reason: str             # why the first one won: affinity | load | tiebreak | fail_open
 
 
+MAX_SHARE = 2.0  # a replica at twice the average demand already scores the full balance penalty
+
+
 def rank(overlaps: list[float], loads: list[float], serving: list[bool], policy: Policy,
-         rotation: int, prompt_blocks: float = 0.0) -> Ranking:
+         rotation: int, prompt_blocks: float = 0.0, new_session: bool = False,
+         shares: list[float] | None = None) -> Ranking:
     n = len(overlaps)
-    if policy.affinity:
+    if policy.affinity and new_session:
+        high = max((o for o, s in zip(overlaps, serving) if s), default=0)
+        per_unit = policy.load_unit_bytes / policy.chunk_bytes
+        cred = [-policy.alpha * (high - o) / per_unit - policy.balance * min(share, MAX_SHARE)
+                for o, share in zip(overlaps, shares or [1.0] * n)]
+    elif policy.affinity:
         cred = credits(overlaps, serving, policy.basis, policy.cap_blocks, prompt_blocks,
                        policy.load_unit_bytes / policy.chunk_bytes, policy.alpha)
     else:

@@ -152,6 +152,31 @@ def test_stopped_engine_fails_over_and_all_its_ranks_go_down(start_sim, start_ba
     assert metric(url, "ramjet_failovers_total") >= 1
 
 
+def test_with_new_session_balance_a_restarted_engine_takes_new_sessions_while_old_ones_stay(
+        start_sim, start_balancer):
+    a_url, _ = start_sim(*FAST)
+    b_url, b = start_sim(*FAST)
+    b_port = int(b_url.rsplit(":", 1)[1])
+    url, _ = start_balancer(upstream=f"{a_url},{b_url}", upstream_dp_size="8", health_interval_ms="300",
+                            upstream_rank_probe="on", upstream_rank_probe_timeout_ms="1000",
+                            route_new_sessions="balance")
+    b.kill()
+    old = asyncio.run(run_sessions(url, sessions=8, turns=3, seed=3))
+    assert old.failures == 0 and all(int(u) < 8 for u in old.upstreams), old.upstreams
+    start_sim(*FAST, port=b_port)  # engine B is back, with cold caches
+    assert wait_for(lambda: health(url)["serving"] == 16, timeout=5), health(url)
+    # New sessions on the same harness: engine A hosts every session, and the cold engine
+    # lacks only the harness, which a new session would share with others anyway.
+    new = asyncio.run(run_sessions(url, sessions=8, turns=3, seed=3, first_session=8))
+    on_b = sum(n for u, n in new.upstreams.items() if int(u) >= 8)
+    assert new.failures == 0 and on_b >= new.turns * 3 // 4, new.upstreams
+    assert new.stickiness >= 0.9, new.describe()
+    # The old sessions come back: they stay where their history is.
+    again = asyncio.run(run_sessions(url, sessions=8, turns=3, seed=3))
+    assert all(int(u) < 8 for u in again.upstreams), again.upstreams
+    assert again.cache_ratio >= 0.9, again.describe()
+
+
 def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(start_sim, start_balancer):
     a_url, a = start_sim("--time-scale", "1")
     b_url, _ = start_sim(*FAST)

@@ -62,6 +62,7 @@ def test_empty_value_means_unset():
     ("RJ_UPSTREAM_DP_SIZE", "eight", "positive integer or 'auto'"),
     ("RJ_AFFINITY", "cache", "'prefix' or 'load'"),
     ("RJ_ROUTE_AFFINITY_BASIS", "relatve", "'absolute', 'marginal', 'relative' or 'ttft'"),
+    ("RJ_ROUTE_NEW_SESSIONS", "spread", "'affinity' or 'balance'"),
     ("RJ_ROUTE_ALPHA", "-1", "greater than or equal to 0"),
     ("RJ_ROUTE_ALPHA", "nan", "finite"),
     ("RJ_ROUTE_CHUNK_BYTES", "32", "greater than or equal to 64"),

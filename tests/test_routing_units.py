@@ -7,6 +7,7 @@ from ramjet.errors import ApiError
 from ramjet.fingerprint import fingerprint
 from ramjet.index import PrefixIndex
 from ramjet.proxy import pin_body
+from ramjet.demand import Demand
 from ramjet.scoring import Policy, credits, load_units, rank
 from ramjet.usage import UsageTap
 
@@ -129,6 +130,48 @@ def test_relative_sticks_where_absolute_ties_on_a_long_shared_harness():
     ab = rank(overlaps, loads, serving, Policy(basis="absolute", cap_blocks=32, alpha=1), rotation=0)
     assert rel.order[0] == 2 and rel.reason == "affinity"
     assert ab.order[0] != 2
+
+
+def test_index_tells_a_continued_conversation_from_a_new_one_on_the_same_harness():
+    ix = PrefixIndex([100, 100], mark_ends=True)
+    harness, first = [1, 2, 3], [1, 2, 3, 10, 11]
+    ix.record(0, first)
+    assert ix.continues(first + [12, 13], ix.overlaps(first + [12, 13]))  # the next turn
+    assert ix.continues(first, ix.overlaps(first))  # a retry
+    other = harness + [20, 21]  # another session: leaves session one's chain after the harness
+    assert not ix.continues(other, ix.overlaps(other))
+    assert not ix.continues([7, 8], ix.overlaps([7, 8]))  # nothing known
+
+
+def test_a_new_session_pays_only_prefill_for_a_shared_harness_and_goes_where_fewest_live():
+    # Seven replicas hold a 36-block harness; replica 7 (a restarted engine) holds nothing.
+    harness, serving = [36] * 7 + [0], [True] * 8
+    policy = Policy(basis="relative", cap_blocks=32, alpha=4, balance=8)
+    loads = [0.5] * 7 + [0]
+    # as a continuation the cold replica would lose the whole cap; as a new session it lacks
+    # 2.25 units of prefill, and it hosts no sessions while the others host the average
+    assert rank(harness, loads, serving, policy, rotation=0).order[0] != 7
+    shares = [8 / 7] * 7 + [0]
+    new = rank(harness, loads, serving, policy, rotation=0, new_session=True, shares=shares)
+    assert new.order[0] == 7
+    # among warm replicas, the one hosting fewest sessions wins
+    shares = [2, 2, 0.5, 2, 2, 2, 2, 0]
+    new = rank(harness, [0.5] * 8, serving, policy, rotation=0, new_session=True, shares=shares)
+    assert new.order[0] == 2
+
+
+def test_demand_share_counts_recent_answered_prompt_bytes():
+    demand = Demand(4)
+    for _ in range(30):
+        for i, n in enumerate((3, 1, 1, 0)):  # replica 0 answers three sessions' turns, 3 none
+            for _ in range(n):
+                demand.record(i, 100_000)
+    shares = demand.shares([True] * 4)
+    assert shares[0] > 2 and shares[3] == 0 and sum(shares) == pytest.approx(4)
+    assert demand.shares([True, True, True, False])[0] == pytest.approx(3 * 3 / 5, rel=0.02)  # average over serving
+    demand.clear(0)
+    assert demand.shares([True] * 4)[0] == 0
+    assert Demand(2).shares([True, True]) == [1.0, 1.0]  # nothing answered yet: no preference
 
 
 def test_load_outweighs_affinity_when_the_warm_replica_is_overloaded():
