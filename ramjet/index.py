@@ -9,6 +9,7 @@ O(matched depth), not O(replicas x blocks).
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import chain
 
 TIP = 0x5A17_7195_C0FF_EE01  # xor-ed into a request's last block hash: "an answered request ended here"
 
@@ -62,7 +63,8 @@ class PrefixIndex:
         lru = self._lru[replica]
         bit = 1 << replica
         holders = self._holders
-        for h in ([blocks[-1] ^ TIP] if self._mark_ends and blocks else []) + blocks[::-1]:
+        end = (blocks[-1] ^ TIP,) if self._mark_ends and blocks else ()
+        for h in chain(end, reversed(blocks)):
             if h in lru:
                 lru.move_to_end(h)
             else:
