@@ -3,11 +3,11 @@
 import orjson
 import pytest
 
+from ramjet.demand import Demand
 from ramjet.errors import ApiError
 from ramjet.fingerprint import fingerprint
 from ramjet.index import PrefixIndex
 from ramjet.proxy import pin_body
-from ramjet.demand import Demand
 from ramjet.scoring import Policy, credits, load_units, rank
 from ramjet.usage import UsageTap
 
