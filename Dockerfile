@@ -6,11 +6,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# The README installs the checkout with `pip install -e '.[dev]'` for development; the image
-# installs the same checkout the same way, `pip install .`, without the dev (test/bench) extras.
+# The image ships the balancer only: its shared modules, the routing core and the data plane.
+# The simulator, the benchmark, the demo and the operator tools (validate, fit, check-hicache)
+# run from a pip install of the checkout (README), not in the serving image.
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY ramjet ./ramjet
+COPY ramjet/__init__.py ramjet/__main__.py ramjet/cli.py ramjet/config.py ramjet/errors.py ramjet/usage.py ./ramjet/
+COPY ramjet/routing ./ramjet/routing
+COPY ramjet/balancer ./ramjet/balancer
 RUN pip install . \
     && rm -rf /src \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ramjet

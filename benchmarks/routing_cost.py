@@ -16,9 +16,9 @@ import time
 
 import orjson
 
-from ramjet.fingerprint import fingerprint
-from ramjet.index import PrefixIndex
-from ramjet.scoring import Policy, rank
+from ramjet.routing.fingerprint import fingerprint
+from ramjet.routing.policy import Params
+from ramjet.routing.router import Router
 
 CHUNK, MAX_PREFIX = 2048, 2 * 1024 * 1024
 
@@ -50,22 +50,18 @@ def agent_body(tokens: int, rng: random.Random) -> bytes:
 
 def measure(body: bytes, replicas: int, repeat: int) -> tuple[float, float]:
     rng = random.Random(7)
-    index = PrefixIndex([100_000] * replicas)
+    router = Router("relative", Params(chunk_bytes=CHUNK), [100_000] * replicas, MAX_PREFIX)
     own = fingerprint("chat", orjson.loads(body), CHUNK, MAX_PREFIX).blocks
     for r in range(replicas):  # other sessions' chains everywhere, this session's earlier turn on one rank
         for _ in range(40):
-            index.record(r, [rng.getrandbits(64) for _ in range(60)])
-    index.record(3, own[: len(own) * 9 // 10])
-    policy = Policy()
+            router.index.record(r, [rng.getrandbits(64) for _ in range(60)])
+    router.index.record(3, own[: len(own) * 9 // 10])
     loads = [rng.randrange(0, 9) for _ in range(replicas)]
     serving = [True] * replicas
     times = []
-    for k in range(repeat):
+    for _ in range(repeat):
         t = time.perf_counter()
-        parsed = orjson.loads(body)
-        fp = fingerprint("chat", parsed, CHUNK, MAX_PREFIX)
-        overlaps = index.overlaps(fp.blocks)
-        rank(overlaps, loads, serving, policy, k)
+        router.decide("chat", orjson.loads(body), loads, serving)
         times.append(time.perf_counter() - t)
     times.sort()
     return statistics.median(times) * 1e3, times[int(len(times) * 0.99) - 1] * 1e3

@@ -1,4 +1,4 @@
-"""`ramjet serve | demo | sim | bench | validate | fit`.
+"""`ramjet serve | demo | sim | bench | validate | fit | check-hicache`.
 
 Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
 `run(args) -> int`. Only the chosen command's module is imported, so start-up
@@ -12,12 +12,14 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("ramjet.serve", "run the balancer (configured by RJ_* environment variables)"),
-    "demo": ("ramjet.demo", "the balancer in front of a simulated 8-rank SGLang engine, on loopback"),
+    "serve": ("ramjet.balancer.serve", "run the balancer (configured by RJ_* environment variables)"),
+    "demo": ("ramjet.demo.cli", "the balancer in front of a simulated 8-rank SGLang engine, on loopback"),
     "sim": ("ramjet.sim.cli", "a simulated SGLang v0.5.20 engine with per-rank prefix caches"),
     "bench": ("ramjet.bench.cli", "agent-swarm load generator and placement comparison"),
-    "validate": ("ramjet.validate", "check a Compose bundle against the measured deployment rules"),
-    "fit": ("ramjet.fit", "KV-cache capacity per GPU/rank from a model's config and index"),
+    "validate": ("ramjet.ops.validate", "check a Compose bundle against the measured deployment rules"),
+    "fit": ("ramjet.ops.fit", "KV-cache capacity per GPU/rank from a model's config and index"),
+    "check-hicache": ("ramjet.ops.check_hicache",
+                      "flood one DP rank and check an evicted prompt comes back from the host cache tier, still right"),
 }
 
 
@@ -27,8 +29,19 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
-            importlib.import_module(module).add_arguments(p)
+            _load(module).add_arguments(p)
     return parser
+
+
+def _load(module: str):
+    """The command's module; a command left out of this installation (the balancer's image) exits clearly."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise SystemExit(f"ramjet: this installation does not include {module} (the balancer's Docker image "
+                             "ships only `ramjet serve`; install the package with pip for the other commands)")
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv and argv[0] in COMMANDS else None
     args = build_parser(command).parse_args(argv)
     try:
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        return int(_load(COMMANDS[args.command][0]).run(args) or 0)
     except KeyboardInterrupt:
         return 130

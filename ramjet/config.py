@@ -1,32 +1,34 @@
 """Settings from `RJ_*` environment variables, validated once at start-up.
 
-`load_settings()` is the entry point: it reports every problem at once (unknown
-`RJ_*` names, bad values, conflicting variables) in one `ConfigError`, because
-an operator fixing a Compose file should not discover errors one restart at a
-time. Variables are documented in docs/configuration.md.
+`load_settings()` is the entry point. It reports every problem at once (unknown
+`RJ_*` names, bad values, conflicting variables) in one ConfigError, because an
+operator fixing a Compose file should not discover errors one restart at a
+time. The variables are documented in docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (AfterValidator, Field, NonNegativeInt, PositiveInt, SecretStr, ValidationError, ValidationInfo,
+                      field_validator)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ramjet.routing.policies import BASES
 
 MIB = 1024 * 1024
 BYTES_PER_TOKEN = 4  # canonical prompt bytes per token, roughly, for English text and code
-TRUE_WORDS = frozenset({"true", "1", "on", "yes"})
-FALSE_WORDS = frozenset({"false", "0", "off", "no"})
-SECRET_VARS = frozenset({"RJ_UPSTREAM_TOKEN", "RJ_API_KEYS"})
+# The words pydantic accepts for a boolean (any case), for code that reads such a variable without the model.
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 class ConfigError(Exception):
@@ -37,11 +39,9 @@ class ConfigError(Exception):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
-# --- value parsers (shared by the field validators and the conflict checks) ---
-
-def _redact(url: str) -> str:
-    """Hide URL credentials in messages: a URL's user:password part is a secret."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
+def _redact(text: str) -> str:
+    """Hide URL credentials: a URL's user:password part is a secret."""
+    return re.sub(r"//[^/@\s]*@", "//***@", text)
 
 
 def normalise_url(raw: str) -> str:
@@ -53,6 +53,8 @@ def normalise_url(raw: str) -> str:
     """
     url = raw.strip().rstrip("/")
     expected = "expected http(s)://host[:port][/path]"
+    if not url:
+        raise ValueError(f"empty URL; {expected}")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -64,42 +66,9 @@ def normalise_url(raw: str) -> str:
         raise ValueError(f"{_redact(url)!r} carries credentials; put the token in RJ_UPSTREAM_TOKEN")
     if parts.query or parts.fragment or url.endswith(("?", "#")):
         raise ValueError(f"{_redact(url)!r} has a query or fragment; {expected}")
-    netloc = parts.netloc.lower()
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"{_redact(url)!r} has port {port} out of range; {expected}")
-    return f"{parts.scheme.lower()}://{netloc}{parts.path.rstrip('/')}"
-
-
-def parse_upstreams(raw: str) -> list[str]:
-    """`RJ_UPSTREAM` comma list -> normalised URLs; empty entries are errors (they would shift DP_RANKS)."""
-    if not raw.strip():
-        return []
-    out, errors = [], []
-    for i, entry in enumerate(raw.split(",")):
-        if not entry.strip():
-            errors.append(f"entry {i} is empty")
-            continue
-        try:
-            out.append(normalise_url(entry))
-        except ValueError as exc:
-            errors.append(f"entry {i}: {exc}")
-    if errors:
-        raise ValueError("; ".join(errors))
-    return out
-
-
-def parse_ranks(raw: str) -> list[int | None]:
-    """`RJ_UPSTREAM_DP_RANKS` -> one rank per upstream; an empty entry means no pin."""
-    out: list[int | None] = []
-    for i, entry in enumerate(raw.split(",")):
-        entry = entry.strip()
-        if not entry:
-            out.append(None)
-        elif entry.isdigit():
-            out.append(int(entry))
-        else:
-            raise ValueError(f"entry {i} ({entry!r}) is not a rank; expected an integer >= 0, or empty for no pin")
-    return out
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
 
 
 def parse_addr(raw: str) -> tuple[str, int]:
@@ -113,172 +82,162 @@ def parse_addr(raw: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _list_from_csv(value: Any) -> Any:
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    return value
-
-
-def _lower(value: Any) -> Any:
-    return value.strip().lower() if isinstance(value, str) else value
-
-
-Ms = Annotated[int, Field(ge=1)]  # a duration in milliseconds
-
-
-# --- environment source --------------------------------------------------------
-
-_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("ramjet_environ", default=None)
-
-
-class _EnvSource(EnvSettingsSource):
-    """The ordinary env source, but reading the mapping given to load_settings (os.environ otherwise)."""
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        env = _ENVIRON.get()
-        env = os.environ if env is None else env
-        return {k: v for k, v in env.items() if k.startswith("RJ_") and v != ""}
-
-
-@contextmanager
-def _reading(environ: Mapping[str, str]) -> Iterator[None]:
-    token = _ENVIRON.set(environ)
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
     try:
-        yield
-    finally:
-        _ENVIRON.reset(token)
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve anywhere
 
 
-# --- settings ----------------------------------------------------------------------
+def _seconds(ms_field: str) -> property:
+    """A duration field (`*_ms`, as the variables are named) in seconds, as timers and httpx want it."""
+    return property(lambda self: getattr(self, ms_field) / 1000, doc=f"{ms_field} in seconds")
+
+
+def _addr_part(addr_field: str, part: int) -> property:
+    """Host (part 0) or port (1) of a listener address; None when that listener is off."""
+    return property(lambda self: None if (a := getattr(self, addr_field)) is None else parse_addr(a)[part])
+
+
+Url = Annotated[str, AfterValidator(normalise_url)]
+
 
 class Settings(BaseSettings):
-    """Every tunable of the balancer. Field `foo_bar` is read from `RJ_FOO_BAR`; an empty value means unset."""
+    """Every tunable of the balancer: field `foo_bar` is variable `RJ_FOO_BAR`. Build it with load_settings()."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="RJ_", case_sensitive=True, alias_generator=lambda name: "RJ_" + name.upper(),
-        populate_by_name=True, env_ignore_empty=True, frozen=True, env_file=None,
-    )
+    model_config = SettingsConfigDict(env_prefix="RJ_", frozen=True)
 
-    # upstreams and topology
-    upstream: str = ""
-    upstream_dp_ranks: Annotated[list[int | None] | None, NoDecode] = None
-    upstream_dp_size: int | Literal["auto"] | None = None
+    # upstreams and topology (field order matters: a validator sees the fields above it in `info.data`)
+    upstream: list[Url] = []
+    upstream_dp_ranks: list[NonNegativeInt | None] | None = None
+    upstream_dp_size: PositiveInt | Literal["auto"] | None = None
     topology_file: Path | None = None
     upstream_token: SecretStr | None = Field(None, repr=False)
-    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    api_keys: list[str] = Field([], repr=False, exclude=True)
 
     # routing
     affinity: Literal["prefix", "load"] = "prefix"
-    route_affinity_basis: Literal["absolute", "marginal", "relative", "ttft"] = "relative"
+    route_affinity_basis: str = "relative"  # one of ramjet.routing.policies.BASES
     route_alpha: float = Field(4.0, ge=0, allow_inf_nan=False)
     route_new_sessions: Literal["affinity", "balance"] = "affinity"
     route_chunk_bytes: int = Field(2048, ge=64)
-    route_max_prefix_bytes: int = Field(2 * MIB, ge=64)
-    route_max_overlap_blocks: int = Field(32, ge=1)
-    route_index_capacity: int = Field(100_000, ge=1)
-    route_kv_capacity_tokens: int | None = Field(None, ge=1)
-    route_load_unit_bytes: int = Field(32768, ge=1)
-    route_max_load_units: int = Field(8, ge=1)
-    route_max_attempts: int = Field(3, ge=1)
+    route_max_prefix_bytes: int = Field(2 * MIB, ge=64, validate_default=True)
+    route_max_overlap_blocks: PositiveInt = 32
+    route_index_capacity: PositiveInt = 100_000
+    route_kv_capacity_tokens: PositiveInt | None = None
+    route_load_unit_bytes: PositiveInt = 32768
+    route_max_load_units: PositiveInt = 8
+    route_max_attempts: PositiveInt = 3
 
     # upstream connections
-    upstream_connect_timeout_ms: Ms = 2000
+    upstream_connect_timeout_ms: PositiveInt = 2000
     # A cold 115K-token prefill queued behind other prefills on a busy H200 rank can take a
     # minute or more before its first token; a shorter limit would fail over (and redo) real work.
-    upstream_first_byte_timeout_ms: Ms = 120_000
+    upstream_first_byte_timeout_ms: PositiveInt = 120_000
     # Below the engines' 5 s keep-alive, so no request goes out on a socket the engine closed.
-    upstream_pool_idle_timeout_ms: int = Field(4000, ge=0)
-    max_body_bytes: int = Field(16 * MIB, ge=1)
+    upstream_pool_idle_timeout_ms: NonNegativeInt = 4000
+    max_body_bytes: PositiveInt = 16 * MIB
 
     # listeners, logs
     api_addr: str = "0.0.0.0:8000"
     metrics_addr: str | None = None
-    route_journal: str | None = None
+    route_journal: bool | Path | None = Field(None, union_mode="left_to_right")  # a true/false word, else a path
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    # health (issue 4)
-    health_interval_ms: Ms = 5000
-    health_timeout_ms: Ms = 2000
+    # health
+    health_interval_ms: PositiveInt = 5000
+    health_timeout_ms: PositiveInt = 2000
     health_path: str = "/health"
     upstream_rank_probe: bool = False
     upstream_rank_probe_path: Literal["/generate", "/v1/completions"] = "/generate"
-    upstream_rank_probe_timeout_ms: Ms = 10_000
-    liveness_window_ms: int = Field(30_000, ge=0)
-    unfence_after: int = Field(1, ge=1)
+    upstream_rank_probe_timeout_ms: PositiveInt = 10_000
+    liveness_window_ms: NonNegativeInt = 30_000
+    unfence_after: PositiveInt = 1
+
+    # operator API: loopback by default, because without a key anyone who reaches it may use it
+    admin_addr: str | None = "127.0.0.1:9091"
+    admin_keys: list[str] = Field([], repr=False, exclude=True, validate_default=True)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
-        # No .env file and no secrets directory: only what the process was given.
-        return init_settings, _EnvSource(settings_cls)
+                                   **_others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only what load_settings hands over, so the mapping it was given is all there is (no .env, no secrets)."""
+        return (init_settings,)
 
+    # --- field validators: one rule each; a rule between two variables sits on the later one ---
+
+    @field_validator("upstream", "api_keys", "admin_keys", mode="before")
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> Settings:
-        """Validate `environ` (not os.environ); raises pydantic's ValidationError. Prefer load_settings()."""
-        with _reading(environ):
-            return cls()
+    def _v_comma_list(cls, v: Any) -> Any:
+        # An empty upstream entry stays (and fails): it would shift RJ_UPSTREAM_DP_RANKS. An empty key is dropped.
+        if isinstance(v, str):
+            return [e.strip() for e in v.split(",")] if v.strip() else []
+        return v
 
-    # --- field validators ---
-
-    @field_validator("upstream", mode="before")
+    @field_validator("api_keys", "admin_keys")
     @classmethod
-    def _v_upstream(cls, v: Any) -> Any:
-        return ",".join(parse_upstreams(v)) if isinstance(v, str) else v
+    def _v_keys(cls, v: list[str]) -> list[str]:
+        return [k for k in v if k]
 
     @field_validator("upstream_dp_ranks", mode="before")
     @classmethod
     def _v_ranks(cls, v: Any) -> Any:
-        return parse_ranks(v) if isinstance(v, str) else v
+        return [e.strip() or None for e in v.split(",")] if isinstance(v, str) else v  # empty entry: no pin
 
     @field_validator("upstream_dp_ranks")
     @classmethod
-    def _v_ranks_nonneg(cls, v: list[int | None] | None) -> list[int | None] | None:
-        if v is not None and any(r is not None and r < 0 for r in v):
-            raise ValueError("ranks must be integers >= 0")
+    def _v_ranks_aligned(cls, v: list[int | None] | None, info: ValidationInfo) -> list[int | None] | None:
+        upstreams = info.data.get("upstream")  # absent when itself invalid: nothing to compare
+        if v is not None and upstreams and len(v) != len(upstreams):
+            raise ValueError(f"has {len(v)} entries but RJ_UPSTREAM has {len(upstreams)}; they are index-aligned "
+                             "(use an empty entry for an upstream without a pin)")
         return v
 
     @field_validator("upstream_dp_size", mode="before")
     @classmethod
     def _v_dp_size(cls, v: Any) -> Any:
         if isinstance(v, str):
-            v = v.strip().lower()
-            if v == "auto":
-                return v
-            if not v.isdigit() or int(v) < 1:
+            v = v.lower()
+            if v != "auto" and not (v.isdigit() and int(v) >= 1):
                 raise ValueError("expected a positive integer or 'auto'")
-            return int(v)
         return v
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("upstream_token")
     @classmethod
-    def _v_keys(cls, v: Any) -> Any:
-        return _list_from_csv(v)
-
-    @field_validator("upstream_token", mode="before")
-    @classmethod
-    def _v_token(cls, v: Any) -> Any:
-        raw = v.get_secret_value() if isinstance(v, SecretStr) else v
-        if isinstance(raw, str) and (not raw.strip() or any(c.isspace() or ord(c) < 32 for c in raw)):
+    def _v_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not re.fullmatch(r"[^\s\x00-\x1f\x7f]+", v.get_secret_value()):
             raise ValueError("must be a non-empty token without whitespace or control characters")
         return v
 
-    @field_validator("affinity", "route_affinity_basis", "log_level", mode="before")
+    @field_validator("affinity", "route_affinity_basis", "route_new_sessions", "log_level", mode="before")
     @classmethod
     def _v_lower(cls, v: Any) -> Any:
-        return _lower(v)
+        return v.lower() if isinstance(v, str) else v
 
-    @field_validator("upstream_rank_probe", mode="before")
+    @field_validator("route_affinity_basis")
     @classmethod
-    def _v_onoff(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            word = v.strip().lower()
-            if word in TRUE_WORDS | FALSE_WORDS:
-                return word in TRUE_WORDS
-            raise ValueError("expected on/off (or true/false, 1/0)")
+    def _v_basis(cls, v: str) -> str:
+        if v not in BASES:
+            *head, last = (repr(b) for b in BASES)
+            raise ValueError(f"expected {', '.join(head)} or {last}")
         return v
 
-    @field_validator("api_addr", "metrics_addr")
+    @field_validator("route_max_prefix_bytes")
+    @classmethod
+    def _v_prefix_holds_a_block(cls, v: int, info: ValidationInfo) -> int:
+        chunk = info.data.get("route_chunk_bytes")
+        if chunk is not None and v < chunk:
+            raise ValueError(f"{v} is smaller than RJ_ROUTE_CHUNK_BYTES ({chunk}); expected at least one block")
+        return v
+
+    @field_validator("admin_addr", mode="before")
+    @classmethod
+    def _v_admin_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and (not v or v.lower() in FALSE_WORDS) else v
+
+    @field_validator("api_addr", "metrics_addr", "admin_addr")
     @classmethod
     def _v_addr(cls, v: str | None) -> str | None:
         if v is None:
@@ -286,43 +245,47 @@ class Settings(BaseSettings):
         host, port = parse_addr(v)
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    @field_validator("admin_keys")
+    @classmethod
+    def _v_admin_guarded(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        addr = info.data.get("admin_addr")
+        if not v and addr is not None and not _is_loopback(parse_addr(addr)[0]):
+            raise ValueError(f"is empty but RJ_ADMIN_ADDR ({addr}) is not a loopback address, so anyone who reaches "
+                             "it could drive the operator API; set RJ_ADMIN_KEYS or bind RJ_ADMIN_ADDR to 127.0.0.1")
+        return v
+
     @field_validator("health_path")
     @classmethod
     def _v_path(cls, v: str) -> str:
-        v = v.strip()
         if not v.startswith("/") or any(c.isspace() for c in v):
             raise ValueError("expected a path starting with '/', e.g. /health or /v1/models")
         return v
 
     @field_validator("route_journal")
     @classmethod
-    def _v_journal(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        v = v.strip()
-        if v.lower() not in TRUE_WORDS | FALSE_WORDS and Path(v).is_dir():
+    def _v_journal(cls, v: bool | Path | None) -> bool | Path | None:
+        if isinstance(v, Path) and v.is_dir():
             raise ValueError("is a directory; expected true/false or a file path to append to")
         return v
-
-    @model_validator(mode="after")
-    def _v_conflicts(self) -> Settings:
-        problems = conflicts(
-            present={name for name, value in (("RJ_UPSTREAM", self.upstream), ("RJ_UPSTREAM_DP_RANKS", self.upstream_dp_ranks),
-                                              ("RJ_UPSTREAM_DP_SIZE", self.upstream_dp_size),
-                                              ("RJ_TOPOLOGY_FILE", self.topology_file)) if value not in (None, "")},
-            n_upstreams=len(self.upstreams),
-            n_ranks=None if self.upstream_dp_ranks is None else len(self.upstream_dp_ranks),
-            chunk=self.route_chunk_bytes, max_prefix=self.route_max_prefix_bytes)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
     # --- derived values ---
 
     @property
     def upstreams(self) -> list[str]:
         """RJ_UPSTREAM as normalised URLs, in order (duplicates kept: DP_RANKS lists one URL per rank)."""
-        return self.upstream.split(",") if self.upstream else []
+        return list(self.upstream)
+
+    @property
+    def policy_name(self) -> str:
+        """The routing policy to build (ramjet.routing.policies.POLICY_NAMES): `load`, or the affinity basis."""
+        return "load" if self.affinity == "load" else self.route_affinity_basis
+
+    @property
+    def journal_target(self) -> None | Literal["stdout"] | Path:
+        """RJ_ROUTE_JOURNAL: off (None), JSON lines on stdout, or a file to append to."""
+        if isinstance(self.route_journal, Path):
+            return self.route_journal
+        return "stdout" if self.route_journal else None
 
     def index_capacity_for(self, kv_capacity_tokens: int | None = None) -> int:
         """Index entries (blocks) for one replica.
@@ -339,148 +302,84 @@ class Settings(BaseSettings):
             return self.route_index_capacity
         return max(1, math.ceil(tokens * BYTES_PER_TOKEN / self.route_chunk_bytes))
 
-    @property
-    def journal_target(self) -> None | Literal["stdout"] | Path:
-        """RJ_ROUTE_JOURNAL: off (None), JSON lines on stdout, or a file to append to."""
-        if self.route_journal is None or self.route_journal.lower() in FALSE_WORDS:
-            return None
-        if self.route_journal.lower() in TRUE_WORDS:
-            return "stdout"
-        return Path(self.route_journal)
+    api_host = _addr_part("api_addr", 0)
+    api_port = _addr_part("api_addr", 1)
+    metrics_host = _addr_part("metrics_addr", 0)
+    metrics_port = _addr_part("metrics_addr", 1)
+    admin_host = _addr_part("admin_addr", 0)
+    admin_port = _addr_part("admin_addr", 1)
 
-    @property
-    def api_host(self) -> str:
-        return parse_addr(self.api_addr)[0]
-
-    @property
-    def api_port(self) -> int:
-        return parse_addr(self.api_addr)[1]
-
-    @property
-    def metrics_host(self) -> str | None:
-        return parse_addr(self.metrics_addr)[0] if self.metrics_addr else None
-
-    @property
-    def metrics_port(self) -> int | None:
-        return parse_addr(self.metrics_addr)[1] if self.metrics_addr else None
-
-    @property
-    def connect_timeout_s(self) -> float:
-        return self.upstream_connect_timeout_ms / 1000
-
-    @property
-    def first_byte_timeout_s(self) -> float:
-        return self.upstream_first_byte_timeout_ms / 1000
-
-    @property
-    def pool_idle_timeout_s(self) -> float:
-        return self.upstream_pool_idle_timeout_ms / 1000
-
-    @property
-    def health_interval_s(self) -> float:
-        return self.health_interval_ms / 1000
-
-    @property
-    def health_timeout_s(self) -> float:
-        return self.health_timeout_ms / 1000
-
-    @property
-    def rank_probe_timeout_s(self) -> float:
-        return self.upstream_rank_probe_timeout_ms / 1000
-
-    @property
-    def liveness_window_s(self) -> float:
-        return self.liveness_window_ms / 1000
+    connect_timeout_s = _seconds("upstream_connect_timeout_ms")
+    first_byte_timeout_s = _seconds("upstream_first_byte_timeout_ms")
+    pool_idle_timeout_s = _seconds("upstream_pool_idle_timeout_ms")
+    health_interval_s = _seconds("health_interval_ms")
+    health_timeout_s = _seconds("health_timeout_ms")
+    rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
+    liveness_window_s = _seconds("liveness_window_ms")
 
 
-KNOWN_VARS: tuple[str, ...] = tuple(f.alias for f in Settings.model_fields.values())  # type: ignore[misc]
-_FIELD_BY_VAR = {f.alias: name for name, f in Settings.model_fields.items()}
+PREFIX: str = Settings.model_config["env_prefix"]
+KNOWN_VARS: tuple[str, ...] = tuple(PREFIX + name.upper() for name in Settings.model_fields)
+SECRET_VARS = frozenset(PREFIX + name.upper() for name, f in Settings.model_fields.items() if not f.repr)  # not shown
+_EMPTY_MEANS_OFF = frozenset({"RJ_ADMIN_ADDR"})  # elsewhere an empty value means unset: the default applies
 
 
-# --- cross-variable rules ------------------------------------------------------------
-
-def conflicts(present: set[str], n_upstreams: int | None, n_ranks: int | None,
-              chunk: int | None, max_prefix: int | None) -> list[str]:
-    """Rules between variables. None means unknown (unset or itself invalid): that rule is skipped."""
+def _conflicts(given: Collection[str]) -> list[str]:
+    """Rules on which variables are set, whatever their values, so a bad value does not hide a conflict."""
     out = []
-    if {"RJ_UPSTREAM_DP_RANKS", "RJ_UPSTREAM_DP_SIZE"} <= present:
+    if {"RJ_UPSTREAM_DP_RANKS", "RJ_UPSTREAM_DP_SIZE"} <= set(given):
         out.append("RJ_UPSTREAM_DP_RANKS and RJ_UPSTREAM_DP_SIZE are both set; set one "
                    "(explicit ranks per upstream, or N/auto ranks for every upstream)")
-    if "RJ_TOPOLOGY_FILE" in present:
-        for name in ("RJ_UPSTREAM", "RJ_UPSTREAM_DP_RANKS", "RJ_UPSTREAM_DP_SIZE"):
-            if name in present:
-                out.append(f"{name} is set together with RJ_TOPOLOGY_FILE, which owns the upstream list; set one")
-    elif "RJ_UPSTREAM" not in present:
+    if "RJ_TOPOLOGY_FILE" in given:
+        out += [f"{name} is set together with RJ_TOPOLOGY_FILE, which owns the upstream list; set one"
+                for name in ("RJ_UPSTREAM", "RJ_UPSTREAM_DP_RANKS", "RJ_UPSTREAM_DP_SIZE") if name in given]
+    elif "RJ_UPSTREAM" not in given:
         out.append("RJ_UPSTREAM: no upstream configured; set RJ_UPSTREAM (engine URLs) or RJ_TOPOLOGY_FILE")
-    if "RJ_UPSTREAM_DP_RANKS" in present and n_upstreams is not None and n_ranks is not None \
-            and "RJ_UPSTREAM" in present and n_upstreams != n_ranks:
-        out.append(f"RJ_UPSTREAM_DP_RANKS has {n_ranks} entries but RJ_UPSTREAM has {n_upstreams}; "
-                   "they are index-aligned (use an empty entry for an upstream without a pin)")
-    if chunk is not None and max_prefix is not None and max_prefix < chunk:
-        out.append(f"RJ_ROUTE_MAX_PREFIX_BYTES ({max_prefix}) is smaller than RJ_ROUTE_CHUNK_BYTES ({chunk}); "
-                   "expected at least one block")
     return out
-
-
-def _raw_conflicts(env: Mapping[str, str], bad: set[str]) -> list[str]:
-    """The same rules on raw values, so conflicts are reported even when other values are invalid."""
-    def get(name: str) -> str | None:
-        v = env.get(name)
-        return None if v is None or not v.strip() else v
-
-    def parsed(name: str, parse: Any, default: Any = None) -> Any:
-        v = get(name)
-        if v is None:
-            return default
-        if name in bad:
-            return None
-        try:
-            return parse(v)
-        except ValueError:
-            return None
-
-    ups = parsed("RJ_UPSTREAM", parse_upstreams, [])
-    ranks = parsed("RJ_UPSTREAM_DP_RANKS", parse_ranks)
-    return conflicts(
-        present={n for n in ("RJ_UPSTREAM", "RJ_UPSTREAM_DP_RANKS", "RJ_UPSTREAM_DP_SIZE", "RJ_TOPOLOGY_FILE") if get(n)},
-        n_upstreams=None if ups is None else len(ups), n_ranks=None if ranks is None else len(ranks),
-        chunk=parsed("RJ_ROUTE_CHUNK_BYTES", int, 2048), max_prefix=parsed("RJ_ROUTE_MAX_PREFIX_BYTES", int, 2 * MIB))
-
-
-def _describe(var: str, value: str | None, msg: str) -> str:
-    msg = msg.removeprefix("Value error, ")
-    if var in SECRET_VARS or value is None:
-        return f"{var}: {msg}"
-    return f"{var}={_redact(value)!r}: {msg}"
 
 
 def _unknown(env: Mapping[str, str]) -> list[str]:
     out = []
-    for name in sorted(k for k in env if k.upper().startswith("RJ_") and k not in KNOWN_VARS):
+    for name in sorted(k for k in env if k.upper().startswith(PREFIX) and k not in KNOWN_VARS):
         close = difflib.get_close_matches(name.upper(), KNOWN_VARS, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         out.append(f"{name}: unknown variable (a typo would silently change behaviour){hint}")
     return out
 
 
+def _invalid(exc: ValidationError, given: Mapping[str, str]) -> list[str]:
+    """One line per variable, naming it and its value (secrets never, URL credentials redacted)."""
+    messages: dict[str, list[str]] = {}
+    for err in exc.errors():
+        loc = err["loc"]
+        msg = err["msg"].removeprefix("Value error, ")
+        if len(loc) > 1 and isinstance(loc[1], int):
+            msg = f"entry {loc[1]}: {msg}"  # an item of a comma list
+        messages.setdefault(PREFIX + str(loc[0]).upper() if loc else "", []).append(msg)
+    out = []
+    for var, msgs in messages.items():
+        value = given.get(var)
+        name = var if var in SECRET_VARS or value is None else f"{var}={_redact(value)!r}"
+        out.append(f"{name}: {'; '.join(msgs)}" if var else "; ".join(msgs))
+    return out
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Settings from `environ` (default os.environ); raises one ConfigError listing every problem."""
-    env = dict(os.environ if environ is None else environ)
+    """Settings from `environ` (default os.environ) and nothing else; raises one ConfigError listing every problem.
+
+    Surrounding whitespace is ignored and an empty value means unset, so `RJ_X=` in a Compose file
+    is the same as leaving it out (RJ_ADMIN_ADDR excepted: empty turns the admin listener off).
+    """
+    env = os.environ if environ is None else environ
+    given = {var: env[var].strip() for var in KNOWN_VARS if var in env}
+    given = {var: v for var, v in given.items() if v or var in _EMPTY_MEANS_OFF}
     problems = _unknown(env)
     settings = None
     try:
-        settings = Settings.from_environ(env)
+        settings = Settings(**{var.removeprefix(PREFIX).lower(): v for var, v in given.items()})
     except ValidationError as exc:
-        bad, model_errors = set(), []
-        for err in exc.errors():
-            if err["loc"]:
-                var = str(err["loc"][0])
-                bad.add(var)
-                problems.append(_describe(var, env.get(var), err["msg"]))
-            else:
-                model_errors.append(err["msg"].removeprefix("Value error, "))
-        cross = _raw_conflicts(env, bad)
-        problems += cross or model_errors
+        problems += _invalid(exc, given)
+    problems += _conflicts(given)
     if problems:
         raise ConfigError(problems)
     assert settings is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ramjet import procs
+from ramjet.demo import procs
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from ramjet.bench.summary import (
     summarize,
     upstream_spread,
 )
-from ramjet.bench.swarm import RequestRecord, _sum_stats, parse_usage
+from ramjet.bench.swarm import RequestRecord, _sum_stats
 
 
 def rec(conv="c", turn=0, start=100.0, status="ok", upstream="0", prompt=1000, cached=500, out=100, ttft=1.0,
@@ -131,16 +131,6 @@ def test_summarize_empty_window():
     s = summarize([], warmup=10, duration=10)
     assert s["turns"] == 0 and s["cache_ratio"] is None and s["ttft_p50"] is None
     format_summary(s)
-
-
-def test_parse_usage_from_sse_tail():
-    tail = (b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
-            b'data: {"id":"1","choices":[],"usage":{"prompt_tokens":900,"completion_tokens":12,'
-            b'"prompt_tokens_details":{"cached_tokens":640}}}\n\ndata: [DONE]\n\n')
-    u = parse_usage(tail)
-    assert u["prompt_tokens"] == 900 and u["prompt_tokens_details"]["cached_tokens"] == 640
-    assert parse_usage(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') is None
-    assert parse_usage(b'"usage":{"prompt_tokens":1}') is None  # no event start in the tail: give up cleanly
 
 
 def test_format_table_fields_and_errors():

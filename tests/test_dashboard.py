@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ramjet.metrics import Metrics
+from ramjet.balancer.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "deploy" / "monitoring"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ramjet import fit
+from ramjet.ops import fit
 from ramjet.cli import main
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "glm53"

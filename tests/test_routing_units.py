@@ -1,17 +1,27 @@
-"""Fingerprint, index, scoring, rank pinning and usage tapping: the routing core without sockets."""
+"""Fingerprint, index, policies, ranking, demand and load units: the routing core, pure functions."""
 
-import orjson
 import pytest
 
-from ramjet.demand import Demand
 from ramjet.errors import ApiError
-from ramjet.fingerprint import fingerprint
-from ramjet.index import PrefixIndex
-from ramjet.proxy import pin_body
-from ramjet.scoring import Policy, credits, load_units, rank
-from ramjet.usage import UsageTap
+from ramjet.routing.demand import Demand
+from ramjet.routing.fingerprint import fingerprint
+from ramjet.routing.index import PrefixIndex
+from ramjet.routing.policies import BASES, POLICY_NAMES, NewSessions, make_policy
+from ramjet.routing.policy import Candidates, Params, rank
+from ramjet.routing.units import load_units
 
 CHUNK = 256
+
+
+def credits(overlaps, serving, name, cap):
+    return make_policy(name, Params(cap_blocks=cap)).credits(Candidates(overlaps, [0] * len(overlaps), serving))
+
+
+def ranked(overlaps, loads, serving, name="relative", rotation=0, prompt_blocks=0.0, shares=None, **params):
+    """Rank under policy `name` ("new_sessions" for new-session placement) with Params(**params)."""
+    p = Params(**params)
+    policy = NewSessions(p) if name == "new_sessions" else make_policy(name, p)
+    return rank(policy, Candidates(overlaps, loads, serving, prompt_blocks, shares), rotation)
 
 
 def chat(messages, **extra):
@@ -126,8 +136,8 @@ def test_relative_sticks_where_absolute_ties_on_a_long_shared_harness():
     overlaps = [40, 40, 50, 40]
     loads = [0, 0, 2, 0]  # the session's rank is a little busier
     serving = [True] * 4
-    rel = rank(overlaps, loads, serving, Policy(basis="relative", cap_blocks=32, alpha=1), rotation=0)
-    ab = rank(overlaps, loads, serving, Policy(basis="absolute", cap_blocks=32, alpha=1), rotation=0)
+    rel = ranked(overlaps, loads, serving, "relative", cap_blocks=32, alpha=1)
+    ab = ranked(overlaps, loads, serving, "absolute", cap_blocks=32, alpha=1)
     assert rel.order[0] == 2 and rel.reason == "affinity"
     assert ab.order[0] != 2
 
@@ -146,18 +156,16 @@ def test_index_tells_a_continued_conversation_from_a_new_one_on_the_same_harness
 def test_a_new_session_pays_only_prefill_for_a_shared_harness_and_goes_where_fewest_live():
     # Seven replicas hold a 36-block harness; replica 7 (a restarted engine) holds nothing.
     harness, serving = [36] * 7 + [0], [True] * 8
-    policy = Policy(basis="relative", cap_blocks=32, alpha=4, balance=8)
+    params = dict(cap_blocks=32, alpha=4, balance=8)
     loads = [0.5] * 7 + [0]
     # as a continuation the cold replica would lose the whole cap; as a new session it lacks
     # 2.25 units of prefill, and it hosts no sessions while the others host the average
-    assert rank(harness, loads, serving, policy, rotation=0).order[0] != 7
+    assert ranked(harness, loads, serving, "relative", **params).order[0] != 7
     shares = [8 / 7] * 7 + [0]
-    new = rank(harness, loads, serving, policy, rotation=0, new_session=True, shares=shares)
-    assert new.order[0] == 7
+    assert ranked(harness, loads, serving, "new_sessions", shares=shares, **params).order[0] == 7
     # among warm replicas, the one hosting fewest sessions wins
     shares = [2, 2, 0.5, 2, 2, 2, 2, 0]
-    new = rank(harness, [0.5] * 8, serving, policy, rotation=0, new_session=True, shares=shares)
-    assert new.order[0] == 2
+    assert ranked(harness, [0.5] * 8, serving, "new_sessions", shares=shares, **params).order[0] == 2
 
 
 def test_demand_share_counts_recent_answered_prompt_bytes():
@@ -175,26 +183,27 @@ def test_demand_share_counts_recent_answered_prompt_bytes():
 
 
 def test_load_outweighs_affinity_when_the_warm_replica_is_overloaded():
-    r = rank([20, 0], [9, 0], [True, True], Policy(basis="relative", cap_blocks=32, alpha=4), rotation=0)
+    r = ranked([20, 0], [9, 0], [True, True], "relative", cap_blocks=32, alpha=4)
     assert r.order[0] == 1 and r.reason == "load"
 
 
 def test_serving_first_and_rotating_tiebreak():
-    policy = Policy()
-    r = rank([5, 0, 0], [0, 0, 0], [False, True, True], policy, rotation=0)
+    r = ranked([5, 0, 0], [0, 0, 0], [False, True, True])
     assert r.order[0] in (1, 2) and r.order[-1] == 0
-    firsts = {rank([0, 0, 0], [0, 0, 0], [True] * 3, policy, rotation=k).order[0] for k in range(3)}
+    firsts = {ranked([0, 0, 0], [0, 0, 0], [True] * 3, rotation=k).order[0] for k in range(3)}
     assert firsts == {0, 1, 2}
-    assert rank([0, 0], [0, 0], [False, False], policy, 0).reason == "fail_open"
+    assert ranked([0, 0], [0, 0], [False, False]).reason == "fail_open"
+    assert ranked([3, 0], [0, 0], [True, False]).reason == "only_choice"
 
 
 def test_load_only_policy_ignores_overlap():
-    r = rank([50, 0], [1, 0], [True, True], Policy(affinity=False), rotation=0)
-    assert r.order[0] == 1
+    r = ranked([50, 0], [1, 0], [True, True], "load")
+    assert r.order[0] == 1 and r.reason == "load"
+    assert ranked([50, 0], [0, 0], [True, True], "load").reason == "tiebreak"  # overlap breaks no tie
 
 
 def test_load_units_follow_uncovered_bytes():
-    p = Policy(chunk_bytes=2048, load_unit_bytes=32768, max_load_units=8)
+    p = Params(chunk_bytes=2048, load_unit_bytes=32768, max_load_units=8)
     assert load_units(460_000, 0, p) == 8
     assert load_units(100_000, 0, p) == 3.125
     assert load_units(460_000, 459_000, p) == 0.125  # a warm turn weighs little
@@ -202,41 +211,17 @@ def test_load_units_follow_uncovered_bytes():
     assert load_units(0, 0, p) == 0.125
 
 
-def test_pin_body_appends_last_key_and_overrides_client_pin():
-    raw = b'{"model":"m","routed_dp_rank":99,"messages":[]}  \n'
-    pinned = pin_body(raw, 3)
-    assert pinned.endswith(b'"routed_dp_rank":3}')
-    assert orjson.loads(pinned)["routed_dp_rank"] == 3
-    assert pinned.startswith(raw.rstrip()[:-1])  # the client's bytes are untouched
-    assert orjson.loads(pin_body(b"{ }", 0)) == {"routed_dp_rank": 0}
-
-
-def test_usage_tap_finds_final_usage_in_sse_tail():
-    tap = UsageTap(sse=True)
-    for i in range(5000):
-        tap.feed(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n')
-    tap.feed(b'data: {"choices":[],"usage":{"prompt_tokens":100,"completion_tokens":7,'
-             b'"prompt_tokens_details":{"cached_tokens":90}}}\n\ndata: [DONE]\n\n')
-    u = tap.usage()
-    assert (u.prompt_tokens, u.cached_tokens, u.completion_tokens) == (100, 90, 7)
-
-
-def test_usage_tap_json_and_generate_meta_info():
-    tap = UsageTap(sse=False)
-    tap.feed(b'{"id":"x","usage":{"prompt_tokens":5,')
-    tap.feed(b'"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":4}}}')
-    assert tap.usage().cached_tokens == 4
-    gen = UsageTap(sse=True)
-    gen.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":9,"completion_tokens":1,"cached_tokens":8}}\n\n'
-             b'data: [DONE]\n\n')
-    assert gen.usage().prompt_tokens == 9 and gen.usage().cached_tokens == 8
-    assert UsageTap(sse=False).usage() is None
-
-
 def test_ttft_basis_weighs_uncached_work_against_queued_work():
-    policy = Policy(basis="ttft", alpha=4, chunk_bytes=2048, load_unit_bytes=32768)
+    params = dict(alpha=4, chunk_bytes=2048, load_unit_bytes=32768)
     # 64 blocks of prompt: replica 0 holds 48 of them but has 2 units queued; replica 1 holds none.
-    r = rank([48, 0], [2, 0], [True, True], policy, rotation=0, prompt_blocks=64)
+    r = ranked([48, 0], [2, 0], [True, True], "ttft", prompt_blocks=64, **params)
     assert r.order[0] == 0  # 1 unit uncached + 2 queued beats 4 units uncached
-    r = rank([48, 0], [4, 0], [True, True], policy, rotation=0, prompt_blocks=64)
+    r = ranked([48, 0], [4, 0], [True, True], "ttft", prompt_blocks=64, **params)
     assert r.order[0] == 1
+
+
+def test_the_registry_names_every_policy_once_with_relative_first():
+    assert BASES[0] == "relative" and set(BASES) == {"relative", "absolute", "marginal", "ttft"}
+    assert POLICY_NAMES == (*BASES, "load")
+    with pytest.raises(ValueError, match="relative"):
+        make_policy("closest", Params())

@@ -174,26 +174,50 @@ async def test_bad_fault_requests_are_400(body):
         assert r.status_code == 400 and "error" in r.json()
 
 
+async def until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Poll `predicate`; the bound only stops a hung test, and the failure says `what` never happened."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what} never happened within {timeout:g} s")
+        await asyncio.sleep(0.005)
+
+
+async def bounded(awaitable, what: str, timeout: float = 30.0):
+    """Await with a bound that only stops a hung test; the failure says `what` never completed."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except TimeoutError:
+        raise AssertionError(f"{what} did not complete within {timeout:g} s") from None
+
+
 async def test_wedged_rank_never_answers_but_health_passes_while_others_serve():
     async with sim_client(faults={3: "wedge"}, time_scale=50.0) as (c, engine):
         stuck = asyncio.create_task(c.post("/v1/chat/completions", json=chat(max_tokens=1, routed_dp_rank=3)))
         busy = asyncio.create_task(c.post("/v1/chat/completions", json=chat(
             max_tokens=100_000, ignore_eos=True, routed_dp_rank=5)))  # keeps producing output
+        await until(lambda: engine.ranks[3].snapshot()["waiting"] == 1, "rank 3 queueing the request")
         for _ in range(8):  # every round-robin position, rank 3 included
-            r = await asyncio.wait_for(c.get("/health"), 2.0)
+            r = await bounded(c.get("/health"), "a health check while rank 3 is wedged")
             assert r.status_code == 200
-        ok = await c.post("/v1/chat/completions", json=chat(max_tokens=2, routed_dp_rank=4))
+        ok = await bounded(c.post("/v1/chat/completions", json=chat(max_tokens=2, routed_dp_rank=4)),
+                           "a request to healthy rank 4")
         assert ok.status_code == 200
+        # a later request to a healthy rank is answered; rank 3 still holds the earlier one
         assert not stuck.done() and engine.ranks[3].snapshot()["waiting"] == 1
         await c.post("/sim/faults", json={"rank": 3, "mode": "none"})
-        r = await asyncio.wait_for(c.post("/v1/chat/completions", json=chat(max_tokens=1, routed_dp_rank=3)), 5)
+        r = await bounded(c.post("/v1/chat/completions", json=chat(max_tokens=1, routed_dp_rank=3)),
+                          "a request to rank 3 once the fault cleared")
         assert r.status_code == 200
-        await asyncio.wait_for(stuck, 5)
+        await until(stuck.done, "the held request being answered once the fault cleared")
+        assert stuck.result().status_code == 200
         busy.cancel()
 
 
 async def test_health_fails_when_no_rank_answers_and_non_generating_health_does_not_care():
     faults = {i: "wedge" for i in range(2)}
+    # health_timeout_s is the scenario: how long the engine's own check waits for output before it fails
     async with sim_client(dp_size=2, faults=faults, health_timeout_s=0.3) as (c, engine):
         assert (await c.get("/health_generate")).status_code == 503
         assert (await c.get("/health")).status_code == 503

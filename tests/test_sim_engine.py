@@ -1,11 +1,57 @@
-"""The engine's scheduling, timing, aborts and faults, driven directly (no HTTP)."""
+"""The engine's scheduling, timing, aborts and faults, driven directly (no HTTP).
+
+Every test runs on `SimClockLoop`, an event loop whose clock is the simulator's:
+the engine measures all its work with the loop's clock (asyncio.sleep,
+call_later, loop.time), and this loop jumps straight to the next timer when
+nothing is ready. So durations read here are exact simulated durations, the
+same on a busy shared machine as on an idle one, and no test waits for them in
+real time. Waits are on conditions, bounded in simulated seconds.
+"""
 
 import asyncio
 import contextlib
+import selectors
 
-from ramjet.sim.config import SimConfig
-from ramjet.sim.engine import Engine
+import pytest
+
+from ramjet.sim.config import SLOW_FACTOR, SimConfig
+from ramjet.sim.engine import DECODE_TICK_S, Engine
 from ramjet.sim.tokens import tokenize
+
+BOUND_S = 30.0  # simulated seconds a wait may take before the test is declared hung
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Never blocks for a timer: when nothing is ready, the clock moves to the next timer instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout=None):
+        ready = super().select(None if timeout is None else 0)
+        if not ready and timeout:
+            self.now += timeout
+        return ready
+
+
+class SimClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on simulated time (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__(_JumpingSelector())
+
+    def time(self) -> float:
+        return self._selector.now
+
+
+def on_sim_clock(test):
+    """Run an async test body on a SimClockLoop (to pytest a plain function, so pytest-asyncio leaves it alone)."""
+    def run():
+        with asyncio.Runner(loop_factory=SimClockLoop) as runner:
+            runner.run(test())
+    run.__name__, run.__qualname__, run.__doc__ = test.__name__, test.__qualname__, test.__doc__
+    return run
 
 
 @contextlib.asynccontextmanager
@@ -22,119 +68,156 @@ def prompt(tokens: int, seed: int = 0, page: int = 64):
     return tokenize(bytes([seed % 256]) * (tokens * 4), page)
 
 
-async def finish(req, timeout: float = 5.0):
+async def finish(req, timeout: float = BOUND_S):
+    """Wait (on the request's own change events, so to the exact instant) until it is done or aborted."""
     async def wait():
         while not req.finished:
             await req.changed.wait()
             req.changed.clear()
-    await asyncio.wait_for(wait(), timeout)
+    try:
+        await asyncio.wait_for(wait(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"request never finished within {timeout} simulated s (state {req.state})") from None
     return req
 
 
+async def until(predicate, what: str, timeout: float = BOUND_S, step: float = 0.0005) -> None:
+    """Poll `predicate` every `step` simulated seconds; fail saying `what` never happened."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() >= deadline:
+            raise AssertionError(f"{what} never happened within {timeout} simulated s")
+        await asyncio.sleep(step)
+
+
 async def timed(coro):
+    """(result, simulated seconds it took)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     result = await coro
     return result, loop.time() - start
 
 
+# A decode that ends between two ticks may need one more minimal nap to land: what "exact" allows.
+TICK_SLACK_S = 0.002
+
+
+@on_sim_clock
 async def test_prefill_and_decode_follow_the_rates_and_time_scale():
-    # 6500 tokens at 6500 tok/s = 1 s of engine work, 33 tokens at 32 tok/s ~ 1 s more; time scale 10.
+    # 6500 tokens at 6500 tok/s = 1 s of engine work, then 32 more tokens at 32 tok/s = 1 s; time scale 10.
     async with running_engine(time_scale=10.0, prefill_tokens_per_s=6500, decode_tokens_per_s=32) as e:
         req, took = await timed(finish(e.submit(prompt(6500), 33, 0)))
         assert req.state == "done" and req.generated == 33
-        assert 0.17 < took < 0.5, took
+        assert 0.2 <= took <= 0.2 + TICK_SLACK_S, took  # never sooner than the model, and no slower
         again, took = await timed(finish(e.submit(prompt(6500), 1, 0)))
-        assert again.cached_tokens == 6464 and took < 0.05  # a cached prompt costs only its last page
+        assert again.cached_tokens == 6464
+        assert took == pytest.approx((6500 - 6464) / 6500 / 10), took  # a cached prompt costs only its last page
 
 
+@on_sim_clock
 async def test_slow_fault_makes_a_rank_ten_times_slower():
     async with running_engine(time_scale=100.0, faults={1: "slow"}) as e:
         _, fast = await timed(finish(e.submit(prompt(6500, 1), 1, 0)))
         _, slow = await timed(finish(e.submit(prompt(6500, 2), 1, 1)))
-        assert slow > 5 * fast and slow > 0.08
+        assert fast == pytest.approx(6500 / 6500 / 100)
+        assert slow == pytest.approx(SLOW_FACTOR * fast)
 
 
+@on_sim_clock
 async def test_waiting_for_a_running_slot_and_for_kv_room():
+    """FCFS admission: a request starts only once a running slot, then its KV footprint, is free."""
     async with running_engine(time_scale=1000.0, max_running_per_rank=1) as e:
-        first = e.submit(prompt(100, 1), 2000, 0)  # decodes for ~60 ms real
+        first = e.submit(prompt(100, 1), 2000, 0)  # decodes for ~60 simulated ms
         second = e.submit(prompt(100, 2), 1, 0)
-        await asyncio.sleep(0.02)
+        await until(lambda: first.state == "decode", "the first request decoding")
         assert second.state == "waiting" and e.ranks[0].running == 1
+        await until(lambda: second.state != "waiting", "the second request being admitted")
+        assert first.state == "done"  # the slot came free only when the first request finished
         await finish(second)
-        assert first.finished
     async with running_engine(time_scale=1000.0, kv_tokens_per_rank=3000) as e:
         big = e.submit(prompt(1500, 3), 1000, 0)  # footprint 2500 of 3000 tokens
-        other = e.submit(prompt(600, 4), 1, 0)
-        await asyncio.sleep(0.01)
-        assert other.state == "waiting" and big.state in ("prefill", "decode")
+        other = e.submit(prompt(600, 4), 1, 0)  # needs 601: does not fit beside it
+        await until(lambda: big.state == "decode", "the big request decoding")
+        assert other.state == "waiting" and e.ranks[0].running == 1
+        await until(lambda: other.state != "waiting", "the other request being admitted")
+        assert big.state == "done"  # the room came free only when the big request released its pages
         await finish(other)
-        assert big.finished and e.ranks[0].cache.in_use_tokens == 0
+        assert e.ranks[0].cache.in_use_tokens == 0
 
 
+@on_sim_clock
 async def test_abort_frees_slot_and_pages_in_every_state():
     async with running_engine(time_scale=100.0, max_running_per_rank=1) as e:
         rank = e.ranks[0]
         decoding = e.submit(prompt(64, 1), 100_000, 0)
-        while decoding.state != "decode":
-            await asyncio.sleep(0.005)
+        await until(lambda: decoding.state == "decode", "the first request decoding")
         waiting = e.submit(prompt(64, 2), 1, 0)
         assert rank.cache.in_use_tokens > 0 and rank.running == 1 and len(rank.waiting) == 1
         e.abort(waiting)
         e.abort(decoding)
         assert rank.running == 0 and not rank.waiting and rank.cache.in_use_tokens == 0
-        prefilling = e.submit(prompt(65_000, 3), 1, 0)  # 10 s of prefill at 6500 tok/s, 0.1 s real
-        while prefilling.state != "prefill":
-            await asyncio.sleep(0.001)
+        prefilling = e.submit(prompt(65_000, 3), 1, 0)  # 10 s of prefill at 6500 tok/s, 0.1 s simulated
+        await until(lambda: prefilling.state == "prefill", "the long prompt prefilling")
         e.abort(prefilling)
         assert rank.running == 0 and rank.cache.in_use_tokens == 0 and rank.stats.aborted == 3
         after = await finish(e.submit(prompt(64, 4), 1, 0))
         assert after.state == "done" and rank.cache.in_use_tokens == 0
 
 
+@on_sim_clock
 async def test_host_tier_reload_is_counted_as_cached_and_costs_reload_time():
     settings = dict(time_scale=20.0, kv_tokens_per_rank=40_000, hicache_tokens_per_rank=100_000,
                     hicache_load_tokens_per_s=20_000)
     async with running_engine(**settings) as e:
         convo = prompt(30_000, 1)
-        await finish(e.submit(convo, 1, 0), 10)
-        await finish(e.submit(prompt(30_000, 2), 1, 0), 10)  # pushes the first one to the host tier
+        await finish(e.submit(convo, 1, 0))
+        await finish(e.submit(prompt(30_000, 2), 1, 0))  # pushes the first one to the host tier
         assert e.ranks[0].cache.host_tokens > 19_000
-        back, took = await timed(finish(e.submit(convo, 1, 0), 10))
+        back, took = await timed(finish(e.submit(convo, 1, 0)))
         assert back.cached_tokens == 29_952
-        assert 0.04 < took < 0.15, took  # 20K tokens reloaded: 1 s engine, 0.05 s real; recompute: 0.23 s
+        reloaded = back.cached_tokens_details["host"]
+        assert reloaded > 19_000 and back.cached_tokens_details["device"] == 29_952 - reloaded
+        # the host pages cost their reload (20K tok/s), only the last partial page is prefilled (6500 tok/s)
+        assert took == pytest.approx((reloaded / 20_000 + (30_000 - 29_952) / 6500) / 20), took
+        assert took < reloaded / 6500 / 20  # cheaper than recomputing those pages
     async with running_engine(**{**settings, "hicache_tokens_per_rank": 0}) as e:
         convo = prompt(30_000, 1)
-        await finish(e.submit(convo, 1, 0), 10)
-        await finish(e.submit(prompt(30_000, 2), 1, 0), 10)
-        cold = await finish(e.submit(convo, 1, 0), 10)
+        await finish(e.submit(convo, 1, 0))
+        await finish(e.submit(prompt(30_000, 2), 1, 0))
+        cold = await finish(e.submit(convo, 1, 0))
         assert cold.cached_tokens < 10_000
 
 
+@on_sim_clock
 async def test_a_prefill_on_one_rank_pauses_decode_everywhere():
+    """DP ranks share each forward pass: while rank 1 prefills, decode on rank 0 makes no progress."""
     async with running_engine(time_scale=10.0, decode_tokens_per_s=100) as e:
+        loop = asyncio.get_running_loop()
+        rate = 100 * 10.0  # decoded tokens per simulated second
+        per_tick = DECODE_TICK_S * rate  # decode is delivered at most one tick late
         talker = e.submit(prompt(10, 1), 100_000, 0)
-        while talker.state != "decode":
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
-        before = talker.generated
-        big = e.submit(prompt(6500, 2), 1, 1)  # 1 s engine = 0.1 s real of prefill on rank 1
-        while big.state == "waiting":
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)
-        during = talker.generated - before
+        await until(lambda: talker.generated > 50, "the talker decoding")
+        big = e.submit(prompt(6500, 2), 1, 1)  # 1 s engine = 0.1 s simulated of prefill on rank 1
+        await until(lambda: big.state == "prefill", "rank 1 starting its prefill")
+        clock_before, before = e.decode_clock(), talker.generated
         await finish(big)
-        await asyncio.sleep(0.1)
-        after = talker.generated - before - during
-        assert during < 35 and after > 60, (during, after)  # free decode: 1000 tokens per real second
+        clock_after, during = e.decode_clock(), talker.generated - before
+        # the engine's decode clock stood still through the whole prefill
+        assert clock_after == pytest.approx(clock_before, abs=1e-9)
+        assert during <= per_tick + 1, during  # at most the tick already under way (100 without the pause)
+        resumed = loop.time()
+        await until(lambda: talker.generated >= before + during + 60, "the talker decoding after the prefill")
+        assert loop.time() - resumed <= (60 + per_tick + 1) / rate  # back at full speed at once
         e.abort(talker)
 
 
+@on_sim_clock
 async def test_wedged_rank_holds_requests_until_cleared():
     async with running_engine(time_scale=1000.0, faults={2: "wedge"}) as e:
         stuck = e.submit(prompt(100, 1), 1, 2)
         fine = await finish(e.submit(prompt(100, 2), 1, 3))
-        await asyncio.sleep(0.05)
+        # the same work, submitted later to a healthy rank, is done: a working rank 2 would be done too
         assert fine.state == "done" and stuck.state == "waiting"
         assert e.faults() == [{"rank": 2, "mode": "wedge"}]
         e.set_fault(2, "none")
@@ -142,6 +225,7 @@ async def test_wedged_rank_holds_requests_until_cleared():
         await finish(stuck)
 
 
+@on_sim_clock
 async def test_ideal_cache_sees_prefixes_across_ranks():
     async with running_engine(time_scale=1000.0) as e:
         await finish(e.submit(prompt(1000, 5), 1, 0))

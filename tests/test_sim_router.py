@@ -6,13 +6,14 @@ import httpx
 import pytest
 from sim_helpers import filler
 
-from ramjet.procs import free_port, sglang_router_binary, start_sglang_router, start_sim
+from ramjet.demo.procs import free_port, sglang_router_binary, start_sglang_router, start_sim
 
 
 @pytest.fixture
 def router_and_sim(tmp_path):
-    if sglang_router_binary() is None:
-        pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2, part of the dev extra)")
+    # part of the dev extra that CI installs: missing means a broken environment, so fail, never skip
+    assert sglang_router_binary() is not None, \
+        "sglang-router is not installed: pip install -e '.[dev]' (the dev extra pins sglang-router==0.3.2)"
     sim_port, router_port = free_port(), free_port()
     sim_url = f"http://127.0.0.1:{sim_port}"
     sim = start_sim(sim_port, "--time-scale", "200", log_path=tmp_path / "sim.log")

@@ -7,7 +7,7 @@ import pytest
 import respx
 
 from ramjet.config import ConfigError, load_settings
-from ramjet.topology import Replica, build_replicas
+from ramjet.balancer.topology import Replica, build_replicas
 
 A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
 

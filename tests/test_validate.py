@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ramjet.cli import main
-from ramjet.compose import ComposeError, interpolate, load_bundle, read_env_file
+from ramjet.ops.compose import ComposeError, interpolate, load_bundle, read_env_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "deploy" / "glm53_h200"
@@ -64,9 +64,11 @@ def test_shipped_bundle_passes(capsys):
     assert not failed_rules(out)
     for rule in ("rank-map", "dp-attention", "fp8-kv", "mem-fraction", "chunked-prefill", "running-requests",
                  "rank-probe", "affinity", "health", "metrics", "tokenizer-workers", "upstream-token",
-                 "loopback-ports", "model-readonly", "pinned-images", "balancer-config", "upstream-url"):
+                 "loopback-ports", "model-readonly", "pinned-images", "balancer-config", "upstream-url",
+                 "parallel-sizes", "expert-parallel", "eagle", "hicache", "engine-keys", "sglang-version"):
         assert f"OK {rule}:" in out
-    assert "OK: 17 rules pass" in out
+    assert "SKIP hicache-ram:" in out
+    assert "OK: 23 rules pass" in out
 
 
 def test_shipped_bundle_passes_as_a_subprocess():
@@ -74,7 +76,7 @@ def test_shipped_bundle_passes_as_a_subprocess():
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "OK: 17 rules pass" in p.stdout
+    assert "OK: 23 rules pass" in p.stdout
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env={**env, "GLM_MEM_FRACTION": "0.88"}, cwd=ROOT, timeout=60)
     assert p.returncode == 1
@@ -88,20 +90,33 @@ EDITS = [
     ("affinity", "${RAMJET_AFFINITY_BASIS:-relative}", "${RAMJET_AFFINITY_BASIS:-absolute}", "got absolute"),
     ("health", 'SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: "0"', 'SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: "1"',
      "got 1"),
-    ("dp-attention", "      --enable-dp-attention,\n", "", "--enable-dp-attention"),
+    ("dp-attention", "      --enable-dp-attention,\n", "", "DP attention together with FP8 KV took it to 1.55M"),
     ("mem-fraction", "${GLM_MEM_FRACTION:-0.85}", "${GLM_MEM_FRACTION:-0.88}", "got 0.88"),
     ("chunked-prefill", "${GLM_CHUNKED_PREFILL_SIZE:-32768}", "${GLM_CHUNKED_PREFILL_SIZE:-65536}", "got 65536"),
-    ("tokenizer-workers", "${GLM_TOKENIZER_WORKERS:-4}", "${GLM_TOKENIZER_WORKERS:-1}", "got 1"),
+    ("tokenizer-workers", "${GLM_TOKENIZER_WORKERS:-4}", "${GLM_TOKENIZER_WORKERS:-2}",
+     "must be >= 4, got 2: the measured deployment ran 4"),
     ("loopback-ports", "${RAMJET_BIND_ADDR:-127.0.0.1}:${RAMJET_API_PORT:-8000}:8000", "0.0.0.0:8000:8000",
      "ramjet 0.0.0.0:8000->8000"),
-    ("upstream-token", "RJ_UPSTREAM_TOKEN: ${ENGINE_API_KEY}", "RJ_UPSTREAM_TOKEN: another-token", "--api-key"),
     ("running-requests", "${GLM_MAX_RUNNING_REQUESTS:-128}", "${GLM_MAX_RUNNING_REQUESTS:-256}", "= 128, got 256"),
     ("fp8-kv", "--kv-cache-dtype, fp8_e4m3", "--kv-cache-dtype, auto", "got auto"),
     ("metrics", "      --enable-cache-report,\n", "", "--enable-cache-report missing"),
     ("model-readonly", "/models/GLM-5.3}:/models/GLM-5.3:ro", "/models/GLM-5.3}:/models/GLM-5.3", "read-only"),
-    ("pinned-images", "lmsysorg/sglang:v0.5.20}", "lmsysorg/sglang:latest}", "engine (lmsysorg/sglang:latest)"),
+    ("pinned-images", "prom/prometheus:v2.53.0}", "prom/prometheus:latest}", "prometheus (prom/prometheus:latest)"),
     ("upstream-url", "RJ_UPSTREAM: http://engine:30000,", "RJ_UPSTREAM: http://engine:30001,",
      "entry 0 (http://engine:30001)"),
+    # the issue's "done when": each of these must fail naming its rule
+    ("hicache", "      --enable-hierarchical-cache,\n", "", "from 45.9 to 95.1 turns a minute"),
+    ("hicache", '"${GLM_HICACHE_SIZE_GB:-32}"', '"${GLM_HICACHE_SIZE_GB:-0}"', "positive size in GB per rank, got 0"),
+    ("eagle", "      --speculative-algorithm, EAGLE,\n", "", "got (none) 1/1/2"),
+    ("eagle", '--speculative-num-draft-tokens, "2"', '--speculative-num-draft-tokens, "4"', "got EAGLE 1/1/4"),
+    ("expert-parallel", '      --ep-size, "8",\n', "", "--ep-size must be 8 (the GPU count), got (unset)"),
+    ("expert-parallel", "${GLM_MOE_A2A_BACKEND:-deepep}", "${GLM_MOE_A2A_BACKEND:-mooncake}", "got mooncake"),
+    ("sglang-version", "lmsysorg/sglang:v0.5.20}", "lmsysorg/sglang:v0.5.19}",
+     "engine image lmsysorg/sglang:v0.5.19 is not lmsysorg/sglang:v0.5.20"),
+    ("parallel-sizes", '--tp-size, "8"', '--tp-size, "4"',
+     "must both equal the GPU count (8, see --gpus), got 4 and 8"),
+    ("engine-keys", "--tool-call-parser, glm47,\n", "--tool-call-parser, glm47,\n      --admin-api-key, a,\n",
+     "--admin-api-key with 4 tokenizer workers: SGLang asserts there is no API key"),
 ]
 
 
@@ -120,14 +135,19 @@ def test_one_line_regression_fails_naming_its_rule(bundle, capsys, rule, old, ne
 OVERRIDES = [
     ("mem-fraction", {"GLM_MEM_FRACTION": "0.88"}),
     ("chunked-prefill", {"GLM_CHUNKED_PREFILL_SIZE": "65536"}),
+    ("tokenizer-workers", {"GLM_TOKENIZER_WORKERS": "2"}),
     ("tokenizer-workers", {"GLM_TOKENIZER_WORKERS": "1"}),
     ("running-requests", {"GLM_MAX_RUNNING_REQUESTS": "256"}),
     ("rank-probe", {"RAMJET_RANK_PROBE": "off"}),
     ("affinity", {"RAMJET_AFFINITY_BASIS": "absolute"}),
     ("loopback-ports", {"RAMJET_BIND_ADDR": "0.0.0.0"}),
     ("loopback-ports", {"GLM_BIND_ADDR": "0.0.0.0"}),
-    ("pinned-images", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang:latest"}),
-    ("pinned-images", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang"}),
+    ("pinned-images", {"PROMETHEUS_IMAGE": "prom/prometheus:latest"}),
+    ("pinned-images", {"GRAFANA_IMAGE": "grafana/grafana"}),
+    ("sglang-version", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang:v0.5.19"}),
+    ("sglang-version", {"GLM_SGLANG_IMAGE": "lmsysorg/sglang:v0.5.21"}),
+    ("hicache", {"GLM_HICACHE_SIZE_GB": "none"}),
+    ("expert-parallel", {"GLM_MOE_A2A_BACKEND": "flashinfer"}),
 ]
 
 
@@ -138,6 +158,42 @@ def test_environment_override_regression_fails(monkeypatch, capsys, rule, env):
     rc, out, _ = validate(BUNDLE, capsys=capsys)
     assert rc == 1
     assert failed_rules(out) == {rule}, out
+
+
+def test_unpinned_engine_image_fails_both_image_rules(monkeypatch, capsys):
+    monkeypatch.setenv("GLM_SGLANG_IMAGE", "lmsysorg/sglang:latest")
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"pinned-images", "sglang-version"}
+
+
+def test_allow_image_declares_another_tested_version(monkeypatch, capsys):
+    monkeypatch.setenv("GLM_SGLANG_IMAGE", "lmsysorg/sglang:v0.5.21")
+    rc, out, _ = validate(BUNDLE, "--allow-image", "lmsysorg/sglang:v0.5.22", capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"sglang-version"}
+    rc, out, _ = validate(BUNDLE, "--allow-image", "lmsysorg/sglang:v0.5.21", capsys=capsys)
+    assert rc == 0 and "OK sglang-version: lmsysorg/sglang:v0.5.21 (declared tested with --allow-image)" in out
+
+
+def test_measured_lower_latency_variant_passes(monkeypatch, capsys):
+    monkeypatch.setenv("GLM_MOE_A2A_BACKEND", "none")
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0 and "OK expert-parallel: --ep-size 8 --moe-a2a-backend none" in out
+
+
+def test_dp_size_not_matching_the_gpus_fails_parallel_sizes(bundle, capsys):
+    edit(bundle, '--dp-size, "8"', '--dp-size, "4"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    # four ranks also break the balancer's rank map and the per-rank running budget
+    assert rc == 1 and failed_rules(out) == {"parallel-sizes", "rank-map", "running-requests"}
+    assert "got 8 and 4" in out
+
+
+def test_gpu_count_option(capsys):
+    rc, out, _ = validate(BUNDLE, "--gpus", "4", capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"parallel-sizes", "expert-parallel"}
+    assert "must both equal the GPU count (4, see --gpus), got 8 and 8" in out
+    rc, _, err = validate(BUNDLE, "--gpus", "0", capsys=capsys)
+    assert rc == 2 and "--gpus must be >= 1" in err
 
 
 def test_dotenv_is_read_and_the_environment_beats_it(bundle, monkeypatch, capsys):
@@ -160,14 +216,35 @@ def test_env_example_as_dotenv_passes_with_keys_set(bundle, capsys):
 def test_blank_secrets_are_warned_about(capsys):
     rc, out, _ = validate(BUNDLE, capsys=capsys)
     assert rc == 0
-    assert "WARN variables: ENGINE_API_KEY, RAMJET_API_KEYS not set" in out
+    assert "WARN variables: RAMJET_API_KEYS not set" in out
 
 
-def test_token_set_on_one_side_only_fails(bundle, capsys):
-    edit(bundle, '--api-key, "${ENGINE_API_KEY}"', "--api-key, engine-secret")
+def test_engine_api_key_with_several_tokenizer_workers_fails(bundle, capsys):
+    edit(bundle, "--tool-call-parser, glm47,\n", "--tool-call-parser, glm47,\n      --api-key, engine-secret,\n")
     rc, out, _ = validate(bundle, capsys=capsys)
-    assert failed_rules(out) == {"upstream-token"}
+    # SGLang would die at start-up; and Ramjet does not send the key either
+    assert failed_rules(out) == {"engine-keys", "upstream-token"}
+    assert "--api-key with 4 tokenizer workers" in out
     assert "engine-secret" not in out  # secrets are never printed
+
+
+@pytest.mark.parametrize("keys,token,failed", [
+    ("--api-key, k1,\n      --admin-api-key, k2,\n", "k1", set()),
+    ("--api-key, k1,\n", "k1", {"engine-keys"}),
+    ("--api-key, k1,\n      --admin-api-key, k1,\n", "k1", {"engine-keys"}),
+    ("--api-key, k1,\n      --admin-api-key, k2,\n", "k2", {"upstream-token"}),
+    ("", "", set()),
+])
+def test_single_tokenizer_engine_keys(bundle, capsys, keys, token, failed):
+    """With one tokenizer process SGLang enforces keys: the admin key must differ from the balancer's."""
+    edit(bundle, "      --tool-call-parser, glm47,\n", "      --tool-call-parser, glm47,\n      " + keys if keys else
+         "      --tool-call-parser, glm47,\n")
+    edit(bundle, "RJ_HEALTH_PATH: /health", f"RJ_HEALTH_PATH: /health\n      RJ_UPSTREAM_TOKEN: '{token}'")
+    edit(bundle, "${GLM_TOKENIZER_WORKERS:-4}", "${GLM_TOKENIZER_WORKERS:-1}")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert failed_rules(out) == {"tokenizer-workers", *failed}, out
+    if "engine-keys" in failed:
+        assert "--admin-api-key must be set and differ from --api-key" in out
 
 
 def test_host_ram_rule(capsys):
@@ -178,6 +255,13 @@ def test_host_ram_rule(capsys):
     assert "256 GB exceeds host RAM 192 GB" in out
     rc, out, _ = validate(BUNDLE, capsys=capsys)
     assert "SKIP hicache-ram: pass --host-ram-gb" in out
+
+
+def test_no_host_tier_is_not_ok_for_host_ram(bundle, capsys):
+    edit(bundle, "      --enable-hierarchical-cache,\n", "")
+    rc, out, _ = validate(bundle, "--host-ram-gb", "2048", capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"hicache"}
+    assert "SKIP hicache-ram: no sized host cache tier" in out
 
 
 def test_typo_in_balancer_variable_fails_balancer_config(bundle, capsys):

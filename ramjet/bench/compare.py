@@ -12,7 +12,7 @@ Placements:
   direct         straight to the engine: SGLang's own round robin over its ranks. With
                  several engines the swarm itself spreads requests round robin over them
                  (what a plain L4 balancer would do).
-  relative, absolute, marginal
+  relative, absolute, marginal, ttft (every basis of ramjet.routing.policies)
                  `ramjet serve` with RJ_ROUTE_AFFINITY_BASIS set to that basis.
   load           `ramjet serve` with RJ_AFFINITY=load (affinity off: least load only).
   sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
@@ -41,13 +41,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ramjet import procs
+from ramjet.demo import procs
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
+from ramjet.routing.policies import POLICY_NAMES
 
-PLACEMENTS = ("direct", "relative", "absolute", "marginal", "ttft", "load", "sglang-router")
-BALANCER_PLACEMENTS = ("relative", "absolute", "marginal", "ttft", "load")
+PLACEMENTS = ("direct", *POLICY_NAMES, "sglang-router")  # the balancer's placements are its routing policies
 DP_SIZE = 8
 DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
 DEFAULT_HICACHE_TOKENS_PER_RANK = 670_000  # 32 GB host memory per rank at ~47.7 KB per token (ramjet fit)

@@ -13,7 +13,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PLACEMENT_ORDER = ("direct", "load", "absolute", "marginal", "relative", "sglang-router")
+from ramjet.routing.policies import POLICY_NAMES  # noqa: E402
+
+# baselines first, then the balancer's policies (the default last, beside the router)
+PLACEMENT_ORDER = ("direct", *reversed(POLICY_NAMES), "sglang-router")
 
 
 def _settings(rows: list[dict]) -> list[tuple[str, int]]:

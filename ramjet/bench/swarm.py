@@ -27,10 +27,10 @@ import httpx
 import orjson
 
 from ramjet.bench.workload import Agent, Turn, WorkloadConfig, build_team
+from ramjet.usage import last_usage
 
 # the first delta that carries generated text (or a tool call): the first token reached the client
 _FIRST_CONTENT = re.compile(rb'"(?:content|reasoning_content|text)":"[^"]|"tool_calls":\[\{')
-_USAGE = b'"usage":{'
 
 
 @dataclass
@@ -117,24 +117,6 @@ def _sum_stats(snaps: list[dict]) -> dict | None:
     return out
 
 
-def parse_usage(tail: bytes) -> dict | None:
-    """The usage object of the last `"usage":{...}` SSE event in `tail` (None if absent or unparsable)."""
-    i = tail.rfind(_USAGE)
-    if i < 0:
-        return None
-    start = tail.rfind(b"data:", 0, i)
-    if start < 0:
-        return None
-    end = tail.find(b"\n", i)
-    line = tail[start + 5:end if end >= 0 else len(tail)].strip()
-    try:
-        event = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    usage = event.get("usage") if isinstance(event, dict) else None
-    return usage if isinstance(usage, dict) else None
-
-
 class Swarm:
     def __init__(self, cfg: SwarmConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.cfg = cfg
@@ -198,14 +180,11 @@ class Swarm:
                         tail = b"".join(recent)
                         if first is not None:
                             rec.ttft = (first - t_start) * self.S
-                        usage = parse_usage(tail)
+                        usage = last_usage(tail)
                         if usage is not None:
-                            rec.prompt_tokens = usage.get("prompt_tokens")
-                            rec.completion_tokens = usage.get("completion_tokens")
-                            details = usage.get("prompt_tokens_details") or {}
-                            rec.cached_tokens = details.get("cached_tokens") if isinstance(details, dict) else None
-                            if rec.cached_tokens is None and rec.prompt_tokens is not None:
-                                rec.cached_tokens = 0
+                            rec.prompt_tokens = usage.prompt_tokens
+                            rec.completion_tokens = usage.completion_tokens
+                            rec.cached_tokens = usage.cached_tokens
                         if b'"error"' in tail and (usage is None or first is None):
                             rec.status = "stream_error"
                             j = tail.rfind(b'"error"')
@@ -362,8 +341,4 @@ class Swarm:
 
 async def run_swarm(cfg: SwarmConfig) -> SwarmResult:
     return await Swarm(cfg).run()
-
-
-def run_swarm_sync(cfg: SwarmConfig) -> SwarmResult:
-    return asyncio.run(run_swarm(cfg))
 

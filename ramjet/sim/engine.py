@@ -59,6 +59,7 @@ class Req:
         self.cached_tokens = 0
         self.computed = 0  # prompt tokens in KV (cached + prefilled)
         self.reload_tokens = 0
+        self.cached_tokens_details: dict | None = None  # SGLang's per-tier report; None without HiCache
         self.generated = 0
         self.progress = 0.0
         self.changed = asyncio.Event()
@@ -140,6 +141,9 @@ class Rank:
         req.state = "prefill"
         req.cached_tokens = req.computed = lease.cached_pages * page
         req.reload_tokens = lease.host_pages * page
+        if self.config.hicache_tokens_per_rank and req.cached_tokens:  # as SGLang reports it with HiCache on
+            req.cached_tokens_details = {"device": req.cached_tokens - req.reload_tokens,
+                                         "host": req.reload_tokens}
         if not req.internal:
             self.stats.prompt_tokens += req.prompt.tokens
             self.stats.cached_tokens += req.cached_tokens

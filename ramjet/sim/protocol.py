@@ -48,6 +48,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     rank: int | None  # explicit placement, None for round robin
+    cache_details: bool = False  # return_cached_tokens_details: report cached tokens per tier (device/host)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -124,7 +125,8 @@ def parse_generation(kind: str, body: dict, path: str, rank_header: str | None, 
             kind, served_model, prompt,
             DEFAULT_GENERATE_MAX_NEW_TOKENS if max_tokens is None else max_tokens,
             _opt_int(params, "min_new_tokens", "sampling_params.") or 0,
-            _opt_bool(params, "ignore_eos", "sampling_params."), stream, False, rank)
+            _opt_bool(params, "ignore_eos", "sampling_params."), stream, False, rank,
+            _opt_bool(body, "return_cached_tokens_details"))
 
     n = body.get("n")
     if n is not None and n != 1:
@@ -149,7 +151,8 @@ def parse_generation(kind: str, body: dict, path: str, rank_header: str | None, 
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     return GenRequest(kind, model, prompt, max_tokens, _opt_int(body, "min_tokens") or 0,
                       _opt_bool(body, "ignore_eos"), stream,
-                      stream and _opt_bool(options, "include_usage", "stream_options."), rank)
+                      stream and _opt_bool(options, "include_usage", "stream_options."), rank,
+                      _opt_bool(body, "return_cached_tokens_details"))
 
 
 def _prompt(render) -> bytes:

@@ -47,6 +47,11 @@ class Formatter:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
 
+    def sglext(self) -> dict | None:
+        """SGLang's extension object: the per-tier cache report (device/host), when asked for and HiCache is on."""
+        details = self.req.cached_tokens_details if self.spec.cache_details else None
+        return {"cached_tokens_details": details} if details else None
+
     def stream_start(self) -> bytes:
         return b""
 
@@ -78,12 +83,19 @@ class _OpenAIFormatter(Formatter):
     def _token_close(self) -> bytes:
         raise NotImplementedError
 
+    def _with_ext(self, body: dict) -> dict:
+        ext = self.sglext()
+        return {**body, "sglext": ext} if ext else body
+
     def stream_tokens(self, a: int, b: int) -> bytes:
         head, tail, words = self._head, self._tail, _WORDS
         return b"".join(head + words[i % len(words)] + tail for i in range(a, b))
 
     def stream_end(self) -> bytes:
         out = _sse({**self.envelope, "choices": [self._final_choice()]})
+        ext = self.sglext()
+        if ext:  # SGLang sends it as its own chunk with no choices
+            out += _sse({**self.envelope, "choices": [], "sglext": ext})
         if self.spec.include_usage:
             out += _sse({**self.envelope, "choices": [], "usage": self.usage()})
         return out + _DONE
@@ -109,9 +121,9 @@ class ChatFormatter(_OpenAIFormatter):
     def whole(self) -> bytes:
         message = {"role": "assistant", "content": text_of(0, self.req.generated).decode(),
                    "reasoning_content": None, "tool_calls": None}
-        return orjson.dumps({**self.envelope, "object": "chat.completion", "choices": [
+        return orjson.dumps(self._with_ext({**self.envelope, "object": "chat.completion", "choices": [
             {"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish_reason,
-             "matched_stop": None}], "usage": self.usage()})
+             "matched_stop": None}], "usage": self.usage()}))
 
 
 class CompletionFormatter(_OpenAIFormatter):
@@ -128,9 +140,9 @@ class CompletionFormatter(_OpenAIFormatter):
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": self.finish_reason, "matched_stop": None}
 
     def whole(self) -> bytes:
-        return orjson.dumps({**self.envelope, "choices": [
+        return orjson.dumps(self._with_ext({**self.envelope, "choices": [
             {"index": 0, "text": text_of(0, self.req.generated).decode(), "logprobs": None,
-             "finish_reason": self.finish_reason, "matched_stop": None}], "usage": self.usage()})
+             "finish_reason": self.finish_reason, "matched_stop": None}], "usage": self.usage()}))
 
 
 class GenerateFormatter(Formatter):
@@ -145,9 +157,11 @@ class GenerateFormatter(Formatter):
         if final:
             reason = ({"type": "length", "length": n} if self.finish_reason == "length"
                       else {"type": "stop", "matched": _EOS_TOKEN_ID})
-        return {"text": text_of(0, n).decode(), "output_ids": list(range(1000, 1000 + n)),
-                "meta_info": {"id": self.id, "finish_reason": reason, "prompt_tokens": self.req.prompt.tokens,
-                              "completion_tokens": n, "cached_tokens": self.req.cached_tokens}}
+        meta = {"id": self.id, "finish_reason": reason, "prompt_tokens": self.req.prompt.tokens,
+                "completion_tokens": n, "cached_tokens": self.req.cached_tokens}
+        if self.spec.cache_details and self.req.cached_tokens_details:  # asked for, with HiCache on
+            meta["cached_tokens_details"] = self.req.cached_tokens_details
+        return {"text": text_of(0, n).decode(), "output_ids": list(range(1000, 1000 + n)), "meta_info": meta}
 
     def stream_tokens(self, a: int, b: int) -> bytes:
         last = b if self.req.state != "done" else b - 1  # the last token goes out with the final event

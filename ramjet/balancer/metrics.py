@@ -1,7 +1,8 @@
 """Prometheus collectors for the balancer (prefix `ramjet_`).
 
 Labels identify replicas by opaque ordinal, node name and DP rank only: never a
-URL (it may carry credentials) and never prompt text.
+URL (it may carry credentials) and never prompt text. Per-replica children are
+resolved once (`ReplicaMetrics`), not by a label lookup on every request.
 """
 
 from __future__ import annotations
@@ -12,6 +13,31 @@ disable_created_metrics()  # `*_created` series double the output and no dashboa
 
 REPLICA_LABELS = ("upstream", "node", "rank")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 45, 60, 90, 120, 180, 300)
+
+
+class ReplicaMetrics:
+    """One replica's children of every per-replica collector."""
+
+    __slots__ = ("in_flight", "load_units", "up", "index_blocks", "prompt_tokens", "cached_tokens",
+                 "completion_tokens", "probe_suppressed", "unfences", "_fences", "_labels")
+
+    def __init__(self, m: Metrics, labels: tuple[str, str, str]):
+        self._labels = labels
+        self._fences = m.fences
+        self.in_flight = m.in_flight.labels(*labels)
+        self.load_units = m.load_units.labels(*labels)
+        self.up = m.upstream_up.labels(*labels)
+        self.index_blocks = m.index_blocks.labels(*labels)
+        self.prompt_tokens = m.prompt_tokens.labels(*labels)
+        self.cached_tokens = m.cached_tokens.labels(*labels)
+        self.completion_tokens = m.completion_tokens.labels(*labels)
+        self.probe_suppressed = m.probe_suppressed.labels(*labels)
+        self.unfences = m.unfences.labels(*labels)
+        self.up.set(1)
+        self.index_blocks.set(0)
+
+    def fenced(self, reason: str) -> None:
+        self._fences.labels(*self._labels, reason).inc()
 
 
 class Metrics:
@@ -68,12 +94,20 @@ class Metrics:
                                          registry=r)
         self._prompt_total = 0
         self._cached_total = 0
+        self._replicas: dict[tuple[str, str, str], ReplicaMetrics] = {}
 
-    def observe_usage(self, labels: tuple[str, str, str], prompt: int, cached: int, completion: int) -> None:
+    def for_replica(self, labels: tuple[str, str, str]) -> ReplicaMetrics:
+        """The replica's children, created (up, no index) on first use."""
+        found = self._replicas.get(labels)
+        if found is None:
+            found = self._replicas[labels] = ReplicaMetrics(self, labels)
+        return found
+
+    def observe_usage(self, replica: ReplicaMetrics, prompt: int, cached: int, completion: int) -> None:
         """Record one response's engine-reported usage and refresh the overall cache ratio."""
-        self.prompt_tokens.labels(*labels).inc(prompt)
-        self.cached_tokens.labels(*labels).inc(cached)
-        self.completion_tokens.labels(*labels).inc(completion)
+        replica.prompt_tokens.inc(prompt)
+        replica.cached_tokens.inc(cached)
+        replica.completion_tokens.inc(completion)
         self._prompt_total += prompt
         self._cached_total += cached
         if self._prompt_total:

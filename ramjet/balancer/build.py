@@ -1,0 +1,84 @@
+"""Wiring: settings and replicas -> every part of the balancer, built in one place.
+
+Nothing else constructs these parts or reaches through one to another: the
+app, the admin API and `ramjet serve` are given the `Balancer` and use its
+methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import httpx
+
+from ramjet.balancer.fleet import Fleet
+from ramjet.balancer.forward import Forwarder
+from ramjet.balancer.journal import Journal
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.outcome import Recorder
+from ramjet.balancer.prober import Prober, ProbeSettings
+from ramjet.balancer.topology import Replica
+from ramjet.balancer.upstream import Upstream, make_client
+from ramjet.config import Settings
+from ramjet.routing.policy import Params
+from ramjet.routing.router import Router
+
+PASSTHROUGH_EXTRA_S = 10.0  # a passthrough may take the readiness timeout plus this
+
+
+@dataclass
+class Balancer:
+    settings: Settings
+    replicas: list[Replica]
+    metrics: Metrics
+    fleet: Fleet
+    router: Router
+    upstream: Upstream
+    forwarder: Forwarder
+    prober: Prober | None
+    journal: Journal | None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def start(self) -> None:
+        if self.prober is not None:
+            self._tasks.append(asyncio.create_task(self.prober.run()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.upstream.aclose()
+        if self.journal:
+            self.journal.close()
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, /health report)."""
+        self.forwarder.sync_caches()
+        return self.fleet.report(self.router.index_sizes())
+
+
+def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics | None = None,
+                   client: httpx.AsyncClient | None = None, probes: bool = True) -> Balancer:
+    """Every part of one balancer. `client`: the upstream HTTP client (tests pass an in-process one)."""
+    s = settings
+    metrics = metrics or Metrics()
+    params = Params(cap_blocks=s.route_max_overlap_blocks, alpha=s.route_alpha, chunk_bytes=s.route_chunk_bytes,
+                    load_unit_bytes=s.route_load_unit_bytes, max_load_units=s.route_max_load_units)
+    router = Router(s.policy_name, params, [s.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
+                    s.route_max_prefix_bytes, balance_new_sessions=s.route_new_sessions == "balance")
+    fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after)
+    token = s.upstream_token.get_secret_value() if s.upstream_token else None
+    upstream = Upstream(client or make_client(s.connect_timeout_s, s.first_byte_timeout_s, s.pool_idle_timeout_s),
+                        token)
+    target = s.journal_target
+    journal = Journal(target) if target else None
+    recorder = Recorder(metrics, replicas, journal)
+    forwarder = Forwarder(replicas, router, fleet, upstream, recorder, metrics, s.route_max_attempts,
+                          s.first_byte_timeout_s, s.health_timeout_s + PASSTHROUGH_EXTRA_S)
+    prober = None
+    if probes:
+        prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(
+            s.health_interval_s, s.health_path, s.health_timeout_s, s.upstream_rank_probe,
+            s.upstream_rank_probe_path, s.rank_probe_timeout_s))
+    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal)

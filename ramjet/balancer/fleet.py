@@ -1,0 +1,196 @@
+"""The state of every replica: serving or fenced, drained, in flight, load, cache epoch, history.
+
+The Fleet is the only writer of replica state. The attempt loop reserves load
+through a `Reservation` (every exit path gives it back) and reports evidence
+from real requests; the prober reports probe results; the operator API drains.
+When an engine refuses connections its process is gone, and with it the KV
+cache of every one of its ranks: the Fleet bumps their cache epoch, and the
+router's owner forgets what those replicas held (Forwarder.sync_caches).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ramjet.balancer.metrics import Metrics, ReplicaMetrics
+from ramjet.balancer.topology import Replica
+from ramjet.routing.units import DECODE_UNITS
+
+log = logging.getLogger("ramjet.fleet")
+
+HISTORY = 32  # fence/unfence/drain events kept per replica for the operator API
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    replica: Replica
+    metrics: ReplicaMetrics
+    serving: bool = True
+    drained: bool = False
+    reason: str = ""              # why it is fenced
+    in_flight: int = 0
+    load_units: float = 0.0
+    last_progress: float = -1e18  # monotonic time it last showed life on real work
+    passes: int = 0               # consecutive passing probe rounds while fenced
+    cache_epoch: int = 0          # bumped whenever its engine lost its cache
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    @property
+    def routable(self) -> bool:
+        return self.serving and not self.drained
+
+
+class Reservation:
+    """Load one request holds on one replica, from dispatch until it ends.
+
+    The whole reservation is held until the first byte (the prefill is queued or
+    running), then only a decode slot. `close()` returns whatever is still held
+    and is idempotent, so `with fleet.reserve(...)` gives the load back on every
+    exit: success, upstream failure, client disconnect or cancellation.
+    """
+
+    __slots__ = ("_fleet", "replica", "units")
+
+    def __init__(self, fleet: Fleet, replica: int, units: float):
+        self._fleet = fleet
+        self.replica = replica
+        self.units: float | None = units
+        fleet._add(replica, units, 1)
+
+    def prefill_done(self) -> None:
+        if self.units is not None and self.units > DECODE_UNITS:
+            self._fleet._add(self.replica, DECODE_UNITS - self.units, 0)
+            self.units = DECODE_UNITS
+
+    def close(self) -> None:
+        if self.units is not None:
+            self._fleet._add(self.replica, -self.units, -1)
+            self.units = None
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Fleet:
+    def __init__(self, replicas: list[Replica], metrics: Metrics, liveness_window_s: float, unfence_after: int):
+        self.replicas = replicas
+        self.states = [ReplicaState(r, metrics.for_replica(r.labels)) for r in replicas]
+        self.liveness_window_s = liveness_window_s
+        self.unfence_after = unfence_after
+
+    # --- routing inputs -------------------------------------------------
+    def routable(self) -> list[bool]:
+        """Replicas that may take new requests: serving and not drained."""
+        return [s.serving and not s.drained for s in self.states]
+
+    def is_routable(self, i: int) -> bool:
+        return self.states[i].routable
+
+    def loads(self) -> list[float]:
+        return [s.load_units for s in self.states]
+
+    def cache_epochs(self) -> list[int]:
+        return [s.cache_epoch for s in self.states]
+
+    def reserve(self, i: int, units: float) -> Reservation:
+        return Reservation(self, i, units)
+
+    def _add(self, i: int, units: float, requests: int) -> None:
+        s = self.states[i]
+        if requests > 0 and s.in_flight == 0:
+            # An idle replica given work counts as alive now: its first requests may be long
+            # cold prefills, and probes queued behind them must not fence it meanwhile.
+            s.last_progress = time.monotonic()
+        s.in_flight += requests
+        s.load_units += units
+        s.metrics.in_flight.set(s.in_flight)
+        s.metrics.load_units.set(s.load_units)
+
+    # --- evidence from real requests and probes ----------------------------
+    def progressed(self, i: int) -> None:
+        """A real request on replica i got its first byte or completed: the rank is alive."""
+        self.states[i].last_progress = time.monotonic()
+
+    def recently_alive(self, i: int) -> bool:
+        return time.monotonic() - self.states[i].last_progress <= self.liveness_window_s
+
+    def engine_refused(self, engine: str) -> None:
+        """Nothing listens at `engine`: fence all its ranks; their caches are gone, whatever their state."""
+        for i, s in enumerate(self.states):
+            if s.replica.engine == engine:
+                s.cache_epoch += 1
+                self.fence(i, "refused")
+
+    def probe_passed(self, i: int) -> None:
+        """A whole probe round passed; a fenced replica returns after RJ_UNFENCE_AFTER of them."""
+        s = self.states[i]
+        if not s.serving:
+            s.passes += 1
+            if s.passes >= self.unfence_after:
+                self.unfence(i)
+
+    def probe_failed(self, i: int) -> None:
+        self.states[i].passes = 0
+
+    def probe_suppressed(self, i: int) -> None:
+        s = self.states[i]
+        if s.serving:
+            s.metrics.probe_suppressed.inc()
+
+    # --- state changes ----------------------------------------------------
+    def fence(self, i: int, reason: str) -> None:
+        s = self.states[i]
+        s.passes = 0
+        if not s.serving:
+            return
+        s.serving = False
+        s.reason = reason
+        s.metrics.up.set(0)
+        s.metrics.fenced(reason)
+        self._event(s, "fenced", reason)
+        log.warning("fenced upstream %s (node %s, rank %s): %s", *s.replica.labels, reason)
+
+    def unfence(self, i: int) -> None:
+        s = self.states[i]
+        if s.serving:
+            return
+        s.serving, s.reason, s.passes = True, "", 0
+        s.metrics.up.set(1)
+        s.metrics.unfences.inc()
+        self._event(s, "unfenced", "")
+        log.info("unfenced upstream %s (node %s, rank %s)", *s.replica.labels)
+
+    def drain(self, i: int, drained: bool = True) -> None:
+        """Operator maintenance: a drained replica takes no new requests; what it runs finishes."""
+        s = self.states[i]
+        if s.drained != drained:
+            s.drained = drained
+            self._event(s, "drained" if drained else "undrained", "operator")
+            log.info("%s upstream %s (node %s, rank %s)", "drained" if drained else "undrained", *s.replica.labels)
+
+    @staticmethod
+    def _event(s: ReplicaState, event: str, reason: str) -> None:
+        s.history.append({"at": round(time.time(), 3), "event": event, "reason": reason or None})
+
+    # --- reporting -------------------------------------------------------
+    def report(self, index_sizes: list[int]) -> tuple[int, dict]:
+        """/health: 200 while any replica serves ("ok" or "degraded"), 503 when none does."""
+        serving = sum(s.serving for s in self.states)
+        if serving == len(self.states):
+            status, code = "ok", 200
+        elif serving:
+            status, code = "degraded", 200
+        else:
+            status, code = "unhealthy", 503
+        replicas = [{
+            "upstream": s.replica.ordinal, "node": s.replica.node, "rank": s.replica.dp_rank,
+            "state": "serving" if s.serving else "fenced", "reason": s.reason or None, "drained": s.drained,
+            "in_flight": s.in_flight, "load_units": s.load_units, "index_blocks": index_sizes[i],
+        } for i, s in enumerate(self.states)]
+        return code, {"status": status, "serving": serving, "total": len(self.states), "replicas": replicas}

@@ -1,0 +1,116 @@
+"""One record per request, written in one place: metrics, the routing journal and the log line.
+
+The forwarder fills an `Outcome` as the request goes (the decision, every
+attempt, the answer, usage) and hands it to `Recorder.finish` exactly once,
+whatever the ending: answered, failed over and out, rejected, or cancelled.
+Nothing here holds prompt text, URLs or keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import orjson
+
+from ramjet.balancer.journal import Journal
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.topology import Replica
+from ramjet.routing.router import Decision
+from ramjet.usage import Usage
+
+log = logging.getLogger("ramjet.requests")
+
+
+@dataclass(slots=True)
+class Outcome:
+    route: str
+    t0: float = field(default_factory=time.monotonic)  # arrival, monotonic
+    ts: float = field(default_factory=time.time)       # arrival, wall clock
+    decision: Decision | None = None
+    routing_s: float = 0.0
+    loads: list[float] | None = None       # what the decision saw
+    routable: list[bool] | None = None
+    attempts: list[dict] = field(default_factory=list)
+    replica: int | None = None             # the replica that answered
+    status: int | None = None              # what the client got
+    result: str = "failed"                 # ok | failed | rejected | upstream_died | client_disconnected | error
+    failure: str | None = None             # the last failed attempt's reason
+    ttfb: float | None = None
+    usage: Usage | None = None
+    affinity_hit: bool | None = None       # did the answering replica hold the longest overlap
+
+    def failed_attempt(self, replica: int, reason: str) -> None:
+        self.attempts.append({"upstream": replica, "failed": reason})
+        self.failure = reason
+
+    def answered(self, replica: int, status: int) -> None:
+        self.attempts.append({"upstream": replica, "status": status})
+        self.replica = replica
+
+
+class Recorder:
+    def __init__(self, metrics: Metrics, replicas: list[Replica], journal: Journal | None = None):
+        self.metrics = metrics
+        self.replicas = replicas
+        self.replica_metrics = [metrics.for_replica(r.labels) for r in replicas]
+        self.journal = journal
+
+    def finish(self, o: Outcome) -> None:
+        duration = time.monotonic() - o.t0
+        self._metrics(o, duration)
+        if self.journal and o.decision is not None:
+            self.journal.write(self._journal_record(o, duration))
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", orjson.dumps(self._log_fields(o, duration)).decode())
+
+    def _metrics(self, o: Outcome, duration: float) -> None:
+        m = self.metrics
+        if o.decision is not None:
+            reason = o.decision.ranking.reason
+            m.routing_seconds.observe(o.routing_s)
+            m.decisions.labels(reason).inc()
+            if reason == "fail_open":
+                m.fail_open.inc()
+        for a in o.attempts:
+            if "failed" in a:
+                m.failovers.labels(a["failed"]).inc()
+        if o.affinity_hit is True:
+            m.affinity_hits.inc()
+        elif o.affinity_hit is False:
+            m.affinity_misses.inc()
+        if o.ttfb is not None:
+            m.ttfb.labels(o.route).observe(o.ttfb)
+        if o.replica is not None:
+            m.duration.labels(o.route).observe(duration)
+        upstream = "" if o.replica is None else str(self.replicas[o.replica].ordinal)
+        m.requests.labels(o.route, str(o.status), upstream).inc()
+        if o.usage is not None and o.replica is not None:
+            u = o.usage
+            m.observe_usage(self.replica_metrics[o.replica], u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+
+    @staticmethod
+    def _journal_record(o: Outcome, duration: float) -> dict:
+        d = o.decision
+        record = {"ts": round(o.ts, 3), "route": o.route, "blocks": len(d.fingerprint.blocks),
+                  "prompt_bytes": d.fingerprint.prompt_bytes, "overlaps": d.overlaps, "scores": d.ranking.scores,
+                  "loads": o.loads, "serving": o.routable, "reason": d.ranking.reason, "policy": d.policy,
+                  "attempts": o.attempts}
+        if o.replica is not None:
+            record["choice"] = o.replica
+        record.update(outcome=o.result, status=o.status,
+                      ttfb_ms=round(o.ttfb * 1000, 1) if o.ttfb is not None else None,
+                      duration_ms=round(duration * 1000, 1),
+                      usage=o.usage.as_dict() if o.usage else None)
+        return record
+
+    def _log_fields(self, o: Outcome, duration: float) -> dict:
+        replica = self.replicas[o.replica] if o.replica is not None else None
+        fields = {"route": o.route, "upstream": replica.ordinal if replica else None,
+                  "rank": replica.dp_rank if replica else None, "status": o.status, "outcome": o.result,
+                  "attempts": len(o.attempts), "ttfb_ms": round(o.ttfb * 1000, 1) if o.ttfb is not None else None,
+                  "duration_ms": round(duration * 1000, 1)}
+        if o.usage:
+            fields.update(o.usage.as_dict())
+        return fields

@@ -1,0 +1,94 @@
+"""What a routing policy is given, what it returns, and the one ranking rule every policy shares.
+
+A policy only turns what each replica holds into credit points (`credits`).
+Everything else is common and stated once here: score = credit - alpha * load,
+candidates ordered serving first, then by score, then by raw overlap (for
+policies that read it), then by a rotating tie-break so ties spread out, and
+the reason the winner won. docs/architecture.md shows how to add a policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The routing tunables (RJ_ROUTE_*), shared by every policy."""
+
+    cap_blocks: int = 32           # C: most credit an overlap can earn, in blocks
+    alpha: float = 4.0             # points per load unit
+    chunk_bytes: int = 2048        # one block
+    load_unit_bytes: int = 32768   # uncached prompt bytes per load unit
+    max_load_units: int = 8
+    balance: float = 8.0           # points per unit of demand share (new-session placement)
+
+    @property
+    def blocks_per_unit(self) -> float:
+        return self.load_unit_bytes / self.chunk_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """One request seen against every replica (index i is replica i)."""
+
+    overlaps: Sequence[float]            # prefix each replica holds, in block equivalents
+    loads: Sequence[float]               # load units reserved on each replica
+    serving: Sequence[bool]              # False: fenced or drained
+    prompt_blocks: float = 0.0           # the whole prompt, in block equivalents
+    shares: Sequence[float] | None = None  # demand share of each replica (new-session placement only)
+
+    def peers(self) -> list[float]:
+        """Overlaps of the serving replicas (all of them when none serves)."""
+        return [o for o, s in zip(self.overlaps, self.serving) if s] or list(self.overlaps)
+
+
+class Policy:
+    """A basis for crediting what a replica holds. Subclasses set `name` and implement `credits`."""
+
+    name: ClassVar[str]
+    reads_overlap: ClassVar[bool] = True  # False: a load-only policy; raw overlap does not break ties
+
+    def __init__(self, params: Params):
+        self.params = params
+
+    def credits(self, c: Candidates) -> list[float]:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class Ranking:
+    order: list[int]        # replica indices, best first
+    scores: list[float]     # per replica
+    credits: list[float]    # per replica
+    reason: str             # why the first one won: affinity | load | tiebreak | only_choice | fail_open
+
+
+def rank(policy: Policy, c: Candidates, rotation: int) -> Ranking:
+    """Score every replica under `policy` and order them; `rotation` is the tie-break state."""
+    n = len(c.overlaps)
+    alpha = policy.params.alpha
+    credit = policy.credits(c)
+    scores = [cr - alpha * load for cr, load in zip(credit, c.loads)]
+    overlap_key = c.overlaps if policy.reads_overlap else [0] * n
+    serving = c.serving
+    order = sorted(range(n), key=lambda i: (not serving[i], -scores[i], -overlap_key[i], (i - rotation) % n))
+    return Ranking(order, scores, credit, _reason(order, scores, c, policy.reads_overlap))
+
+
+def _reason(order: list[int], scores: list[float], c: Candidates, reads_overlap: bool) -> str:
+    best = order[0]
+    if not c.serving[best]:
+        return "fail_open"
+    rivals = [i for i in order[1:] if c.serving[i]]
+    if not rivals:
+        return "only_choice"
+    runner = rivals[0]
+    overlaps = c.overlaps
+    if scores[best] == scores[runner] and (not reads_overlap or overlaps[best] == overlaps[runner]):
+        return "tiebreak"
+    if reads_overlap and overlaps[best] > 0 and overlaps[best] == max(c.peers()):
+        return "affinity"
+    return "load"

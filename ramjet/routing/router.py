@@ -1,0 +1,81 @@
+"""The routing core: request body -> fingerprint -> what each replica holds -> policy -> ranking.
+
+Pure state and arithmetic, no I/O and no clock, so every decision can be
+replayed (tests/test_routing_replay.py). The balancer tells it which replicas
+serve and how loaded they are, and which replica answered; it keeps the prefix
+index, the new-session demand and the tie-break rotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ramjet.routing.demand import Demand
+from ramjet.routing.fingerprint import Fingerprint, fingerprint
+from ramjet.routing.index import PrefixIndex
+from ramjet.routing.policies import NewSessions, make_policy
+from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank
+from ramjet.routing.units import load_units
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request should go, and why."""
+
+    fingerprint: Fingerprint
+    overlaps: list[int]      # leading blocks each replica holds
+    ranking: Ranking
+    new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
+    policy: str              # the policy that ranked it
+
+    def units(self, replica: int, params: Params) -> float:
+        """Load units this request reserves on `replica`."""
+        fp = self.fingerprint
+        return load_units(fp.prompt_bytes, fp.covered_bytes(self.overlaps[replica]), params)
+
+
+class Router:
+    def __init__(self, policy: str, params: Params, index_capacities: list[int], max_prefix_bytes: int,
+                 balance_new_sessions: bool = False):
+        self.params = params
+        self.policy: Policy = make_policy(policy, params)
+        self.max_prefix_bytes = max_prefix_bytes
+        self.balance_new_sessions = balance_new_sessions and self.policy.reads_overlap
+        self.new_sessions = NewSessions(params)
+        self.index = PrefixIndex(index_capacities, mark_ends=self.balance_new_sessions)
+        self.demand = Demand(len(index_capacities))
+        self.rotation = 0
+
+    def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
+               advance: bool = True) -> Decision:
+        """Rank every replica for this request; raises ApiError (400) on wrong-typed prompt fields.
+
+        `advance=False` leaves the tie-break rotation where it is (explaining, not routing).
+        """
+        chunk = self.params.chunk_bytes
+        fp = fingerprint(route, body, chunk, self.max_prefix_bytes)
+        n = len(self.index)
+        overlaps = self.index.overlaps(fp.blocks) if self.policy.reads_overlap else [0] * n
+        new_session = self.balance_new_sessions and not self.index.continues(fp.blocks, overlaps)
+        policy = self.new_sessions if new_session else self.policy
+        candidates = Candidates([fp.covered_bytes(o) / chunk for o in overlaps], loads, serving,
+                                fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
+        ranking = rank(policy, candidates, self.rotation)
+        if advance:
+            self.rotation += 1
+        return Decision(fp, overlaps, ranking, new_session, policy.name)
+
+    def answered(self, replica: int, decision: Decision) -> None:
+        """`replica` answered 2xx: it now holds the request's prefix."""
+        self.index.record(replica, decision.fingerprint.blocks)
+        if self.balance_new_sessions:
+            self.demand.record(replica, decision.fingerprint.prompt_bytes)
+
+    def forget(self, replica: int) -> None:
+        """The replica's cache is gone (its engine restarted): it holds nothing, hosts no sessions."""
+        self.index.clear(replica)
+        self.demand.clear(replica)
+
+    def index_sizes(self) -> list[int]:
+        return [self.index.size(i) for i in range(len(self.index))]

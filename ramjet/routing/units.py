@@ -1,0 +1,28 @@
+"""How much load a request reserves on a replica, in load units.
+
+Load approximates the prefill queued on a replica, which is what delays the
+next request's first token: a request reserves its uncovered bytes /
+RJ_ROUTE_LOAD_UNIT_BYTES until its first byte arrives, then only a decode slot.
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+from ramjet.routing.policy import Params
+
+LOAD_STEP = 8  # load is counted in eighths of a unit: exact in binary, so sums return to 0
+DECODE_UNITS = 1 / LOAD_STEP  # what a request still holds once its prefill is done: a decode slot
+
+
+def load_units(prompt_bytes: int, covered_bytes: int, params: Params) -> float:
+    """Uncovered bytes / load unit, rounded up to an eighth and clamped to [1/8, RJ_ROUTE_MAX_LOAD_UNITS].
+
+    Whole units (the design's first cut) made a warm turn of a few KB weigh as much
+    as 32 KB of cold prefill, so with the relative basis a young session whose own
+    history was still under alpha blocks left its rank whenever any other request
+    was in flight there.
+    """
+    uncovered = max(prompt_bytes - covered_bytes, 0)
+    steps = ceil(uncovered * LOAD_STEP / params.load_unit_bytes)
+    return min(max(steps, 1), params.max_load_units * LOAD_STEP) / LOAD_STEP

@@ -1,0 +1,87 @@
+"""The operator API: replica state, drain for maintenance, routing explanations (in process)."""
+
+from __future__ import annotations
+
+import httpx
+
+from harness import chat_body, stack
+from ramjet.balancer.admin import build_admin_app
+from ramjet.demo.sessions import run_sessions
+
+
+def admin_client(s, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_admin_app(s.balancer)),
+                             base_url="http://admin", headers=headers)
+
+
+async def test_replicas_report_state_load_index_and_fence_history():
+    async with stack() as s, admin_client(s) as admin:
+        assert (await s.chat("x" * 5000)).status_code == 200
+        s.balancer.fleet.fence(2, "rank_error")
+        report = (await admin.get("/admin/replicas")).json()
+        assert report["policy"] == "relative" and len(report["replicas"]) == 8
+        r2 = report["replicas"][2]
+        assert r2["state"] == "fenced" and r2["reason"] == "rank_error"
+        assert [e["event"] for e in r2["history"]] == ["fenced"]
+        assert sum(r["index_blocks"] for r in report["replicas"]) > 0
+        assert (await admin.get("/docs")).status_code == 200  # the OpenAPI page
+        assert "/admin/explain" in (await admin.get("/openapi.json")).json()["paths"]
+
+
+async def test_drain_moves_a_session_once_and_undrain_takes_new_ones():
+    async with stack() as s, admin_client(s) as admin:
+        messages = [{"role": "system", "content": "harness " * 2000}, {"role": "user", "content": "task " * 500}]
+
+        async def turn() -> int:
+            r = await s.client.post("/v1/chat/completions", json={"model": "glm-5.3", "messages": messages,
+                                                                  "max_tokens": 4})
+            assert r.status_code == 200
+            messages.extend([r.json()["choices"][0]["message"], {"role": "tool", "content": "result " * 300}])
+            return int(r.headers["x-ramjet-upstream"])
+
+        home = await turn()
+        assert await turn() == home
+        drained = (await admin.post(f"/admin/replicas/{home}/drain")).json()
+        assert drained["drained"] is True and drained["state"] == "serving"
+        assert (await s.health())["status"] == "ok"  # drained is not unhealthy
+        new_home = await turn()
+        assert new_home != home
+        assert (await admin.post(f"/admin/replicas/{home}/undrain")).json()["drained"] is False
+        assert [await turn() for _ in range(3)] == [new_home] * 3  # it stays where its history now is
+        fresh = await run_sessions("http://ramjet", sessions=16, turns=1, seed=7, tool_s=0.01, transport=s.transport)
+        assert str(home) in fresh.upstreams  # the undrained replica takes new sessions again
+        assert (await admin.post("/admin/replicas/99/drain")).status_code == 404
+
+
+async def test_explain_shows_the_pick_without_forwarding_or_moving_the_rotation():
+    async with stack() as s, admin_client(s) as admin:
+        body = chat_body("the same long prompt " * 300)
+        first = await s.client.post("/v1/chat/completions", json=body)
+        home = int(first.headers["x-ramjet-upstream"])
+        requests_before = s.engines[0].stats()["totals"]["requests"]
+        rotation = s.balancer.router.rotation
+        r = await admin.post("/admin/explain", json=body)
+        assert r.status_code == 200, r.text
+        e = r.json()
+        assert e["pick"] == home and e["reason"] == "affinity" and e["policy"] == "relative"
+        assert "warmest" in e["policy_rule"]
+        row = e["replicas"][home]
+        assert row["overlap_blocks"] == e["blocks"] and row["credit"] == max(x["credit"] for x in e["replicas"])
+        assert s.engines[0].stats()["totals"]["requests"] == requests_before  # nothing forwarded
+        assert s.balancer.router.rotation == rotation
+        bad = await admin.post("/admin/explain", content=b"{not json")
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+        assert (await admin.post("/admin/explain?path=/v1/embeddings", json=body)).status_code == 400
+
+
+async def test_admin_keys_are_required_when_set():
+    async with stack(admin_keys="op-secret", api_keys="client-key") as s:
+        async with admin_client(s) as anonymous:
+            assert (await anonymous.get("/admin/replicas")).status_code == 401
+        async with admin_client(s, "client-key") as client_key:  # a client key is not an admin key
+            assert (await client_key.get("/admin/replicas")).status_code == 401
+        async with admin_client(s, "op-secret") as operator:
+            assert (await operator.get("/admin/replicas")).status_code == 200
+    async with stack(admin_keys="op-secret") as s:
+        assert (await s.client.get("/admin/replicas")).status_code == 404  # the client listener has no operator routes

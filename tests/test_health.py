@@ -1,0 +1,135 @@
+"""Fencing wedged ranks without fencing busy ones: the balancer against the simulator's faults, in process.
+
+Promises about time are counted in probe rounds (the readiness probes sent),
+not in seconds: the machine's speed is not what is under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from harness import chat_body, stack, until
+from ramjet.demo.sessions import run_sessions
+
+PROBING = dict(upstream_rank_probe="on", health_interval_ms="300", health_timeout_ms="1000",
+               upstream_rank_probe_timeout_ms="300")
+
+
+async def rounds(s) -> float:
+    """Probe rounds so far: one readiness probe per engine per round."""
+    return await s.metric("ramjet_upstream_probes_total", kind="readiness") / len(s.engines)
+
+
+async def test_wedged_rank_is_fenced_its_sessions_move_and_it_returns():
+    # As deployed: a non-generating engine /health, so only the rank probe can see the wedge.
+    async with stack(sim={"health_generation": False}, probes=True, liveness_window_ms="200", **PROBING) as s:
+        def turns(seed=1):
+            return run_sessions("http://ramjet", sessions=16, turns=2, seed=seed, tool_s=0.02, transport=s.transport)
+        warm = await turns()
+        assert warm.failures == 0 and "3" in warm.upstreams
+        s.engines[0].set_fault(3, "wedge")
+        assert (await s.engine_clients[0].get("/health")).status_code == 200  # the engine cannot see it
+        start = await rounds(s)
+        await until(_fenced(s, 3), "rank 3 fenced")
+        assert await rounds(s) - start <= 3  # after the liveness window, within a few probe rounds
+        health = await s.health()
+        assert health["status"] == "degraded" and await s.metric("ramjet_upstream_up") == 7
+        moved = await turns()  # the same sessions, one turn on
+        assert moved.failures == 0 and "3" not in moved.upstreams
+        s.engines[0].set_fault(3, "none")
+        await until(_serving(s, 3), "rank 3 back in service")
+        assert (await s.health())["status"] == "ok"
+        fresh = await turns(seed=99)
+        assert fresh.upstreams.get("3", 0) > 0
+        assert await s.metric("ramjet_upstream_unfences_total") >= 1
+
+
+def _fenced(s, i):
+    async def check():
+        return (await s.states())[i] == "fenced"
+    return check
+
+
+def _serving(s, i):
+    async def check():
+        return (await s.states())[i] == "serving"
+    return check
+
+
+async def test_saturated_ranks_are_never_fenced_and_probe_failures_are_suppressed():
+    # Two pinned ranks, each given eight cold 13K-token prompts at once: a rank reads one in about
+    # a second at this time scale, so probes queue behind real work for several rounds.
+    async with stack(sim={"time_scale": 2.0}, probes=True, upstream_dp_ranks="2,5", upstream_dp_size="",
+                     upstream="http://sim0,http://sim0", liveness_window_ms="5000", **PROBING) as s:
+        rng = random.Random(3)
+        texts = [" ".join(f"w{rng.randrange(10**6)}" for _ in range(7000)) for _ in range(16)]  # always cold
+        codes = await asyncio.gather(*(s.chat(t) for t in texts))
+        assert [r.status_code for r in codes] == [200] * 16
+        assert await s.metric("ramjet_upstream_probe_suppressed_total") > 0
+        assert await s.metric("ramjet_upstream_fences_total") == 0
+        assert (await s.health())["status"] == "ok"
+
+
+async def test_rank_answering_500_is_fenced_at_once():
+    async with stack(sim={"faults": {4: "error"}}, probes=True, **PROBING) as s:
+        await until(_fenced(s, 4), "rank 4 fenced")
+        assert await rounds(s) <= 1
+        for i in range(8):
+            r = await s.chat(f"q{i}")
+            assert r.status_code == 200 and r.headers["x-ramjet-upstream"] != "4"
+
+
+async def test_request_failure_fences_without_probes():
+    # load-only routing rotates over idle ranks, so rank 6 gets one of these requests
+    async with stack(sim={"faults": {6: "error"}}, affinity="load") as s:
+        for i in range(10):
+            r = await s.chat(f"q{i}")
+            assert r.status_code == 200  # the 500 is retried on another rank before any byte is sent
+        assert (await s.states())[6] == "fenced"
+        assert await s.metric("ramjet_failovers_total") == 1  # fenced on the first failure, never tried again
+
+
+async def test_all_fenced_fails_open():
+    # A readiness path the engine does not have: every probe fails, every replica is fenced,
+    # although the engine itself serves. A false alarm must not become an outage.
+    async with stack(probes=True, health_path="/no-such-health", health_interval_ms="300") as s:
+        async def unhealthy():
+            return (await s.health())["status"] == "unhealthy"
+        await until(unhealthy, "every replica fenced")
+        assert (await s.client.get("/health")).status_code == 503
+        for i in range(3):
+            assert (await s.chat(f"anyone {i}?")).status_code == 200
+        assert await s.metric("ramjet_route_fail_open_dispatches_total") == 3
+        assert s.engines[0].stats()["totals"]["requests"] >= 3
+        assert (await s.client.get("/health")).status_code == 503  # still the true state
+
+
+async def test_request_stuck_on_a_wedged_rank_fails_over_after_first_byte_timeout():
+    async with stack(sim={"faults": {3: "wedge"}}, upstream="http://sim0,http://sim0", upstream_dp_size="",
+                     upstream_dp_ranks="3,5", upstream_first_byte_timeout_ms="1000") as s:
+        for i in range(4):
+            r = await s.chat(f"q{i}")
+            assert r.status_code == 200 and r.headers["x-ramjet-upstream"] == "1"
+        assert await s.metric("ramjet_failovers_total", reason="first_byte_timeout") == 1
+        assert (await s.states())[0] == "fenced"
+
+
+async def test_load_returns_to_zero_after_success_failure_and_cancellation():
+    async with stack(sim={"faults": {2: "error"}, "time_scale": 20.0}, affinity="load") as s:
+        ok = await asyncio.gather(*(s.chat(f"ok {i}") for i in range(12)))
+        assert all(r.status_code == 200 for r in ok)
+        # a request cancelled while it waits for its first byte (a client that went away)
+        slow = asyncio.create_task(s.client.post("/v1/chat/completions",
+                                                 json=chat_body("x " * 20000, max_tokens=500, min_tokens=500)))
+
+        async def in_flight():
+            return sum(r["in_flight"] for r in (await s.health())["replicas"]) == 1
+        await until(in_flight, "the slow request is in flight")
+        slow.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+
+        async def idle():
+            return all(r["in_flight"] == 0 and r["load_units"] == 0 for r in (await s.health())["replicas"])
+        await until(idle, "every reservation returned")
+        assert (await s.states())[2] == "fenced"  # the 500 was seen and returned its load too
