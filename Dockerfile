@@ -11,7 +11,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # run from a pip install of the checkout (README), not in the serving image.
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY ramjet/__init__.py ramjet/__main__.py ramjet/cli.py ramjet/config.py ramjet/errors.py ramjet/usage.py ./ramjet/
+COPY ramjet/__init__.py ramjet/__main__.py ramjet/cli.py ramjet/errors.py ramjet/usage.py ./ramjet/
+COPY ramjet/config ./ramjet/config
 COPY ramjet/routing ./ramjet/routing
 COPY ramjet/balancer ./ramjet/balancer
 RUN pip install . \

@@ -41,6 +41,16 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+class ByHost(httpx.AsyncBaseTransport):
+    """Each engine's in-process app under its own base URL, as one transport."""
+
+    def __init__(self, apps: dict[str, httpx.AsyncBaseTransport]):
+        self.apps = {httpx.URL(u).host: t for u, t in apps.items()}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.apps[request.url.host].handle_async_request(request)
+
+
 @dataclass
 class Stack:
     client: httpx.AsyncClient        # talks to the balancer's app
@@ -75,11 +85,11 @@ async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False,
     async with contextlib.AsyncExitStack() as es:
         for app in apps:
             await es.enter_async_context(app.router.lifespan_context(app))
-        upstream = httpx.AsyncClient(mounts={u: httpx.ASGITransport(app=a) for u, a in zip(urls, apps)},
-                                     timeout=30)
+        engines_transport = ByHost({u: httpx.ASGITransport(app=a) for u, a in zip(urls, apps)})
         settings = load_settings(env)
-        replicas = await build_replicas(settings, client=upstream)
-        balancer = build_balancer(settings, replicas, client=upstream, probes=probes)
+        async with httpx.AsyncClient(transport=engines_transport, timeout=30) as discovery:
+            replicas = await build_replicas(settings, client=discovery)
+        balancer = build_balancer(settings, replicas, transport=engines_transport, probes=probes)
         await balancer.start()
         es.push_async_callback(balancer.stop)
         transport = httpx.ASGITransport(app=BalancerApp(balancer))

@@ -41,7 +41,7 @@ async def test_relative_keeps_sessions_sticky_where_absolute_does_not():
 
 
 async def test_client_rank_pins_are_overridden():
-    async with stack() as s:
+    async with stack(pass_response_headers="x-sim-dp-rank") as s:
         body = orjson.dumps(chat_body(routed_dp_rank=99))
         pin = {"X-Data-Parallel-Rank": "99", "Content-Type": "application/json"}
         direct = await s.engine_clients[0].post("/v1/chat/completions", content=body, headers=pin)

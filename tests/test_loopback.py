@@ -51,7 +51,7 @@ def test_stream_is_passed_through_unchanged_and_usage_reaches_metrics(start_sim,
     # Two fresh engines, so both answers are equally cold: one straight, one through the balancer.
     direct_url, _ = start_sim(*FAST)
     sim_url, _ = start_sim(*FAST)
-    url, _ = start_balancer(upstream=sim_url, upstream_dp_ranks="5")
+    url, _ = start_balancer(upstream=sim_url, upstream_dp_ranks="5", pass_response_headers="x-sim-dp-rank")
     body = chat_body("tell me a story " * 200, max_tokens=30, min_tokens=30, stream=True,
                      stream_options={"include_usage": True})
     via = httpx.post(url + "/v1/chat/completions", json=body, timeout=20)

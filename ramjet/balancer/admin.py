@@ -73,7 +73,7 @@ def build_admin_app(balancer: Balancer) -> FastAPI:
         if route is None:
             raise HTTPException(400, f"path must be one of {', '.join(GENERATION_ROUTES)}")
         try:
-            body = parse_object(await request.body())
+            body = parse_object(await request.body(), balancer.settings.max_json_depth)
             forwarder.sync_caches()
             loads, routable = fleet.loads(), fleet.routable()
             d = router.decide(route, body, loads, routable, advance=False)

@@ -1,21 +1,28 @@
-"""The balancer's client-facing ASGI app: routes, API keys, body limits, disconnect watching, lifespan.
+"""The balancer's client-facing ASGI app: routes, API keys, per-key caps, body limits, disconnect watching.
 
 Written against bare ASGI rather than a framework so the hot path reads the
 body once and can watch for the client going away while it waits for an
-upstream (a disconnected agent must free its rank at once). The operator API,
-where a framework serves better, is a separate app (admin.py).
+upstream (a disconnected agent must free its rank at once); a framework route
+would also cost a tenth of the whole request (docs/benchmarks.md). The
+operator API, where a framework serves better, is a separate app (admin.py).
+Limits on the connection itself (headers, timeouts, connections) are enforced
+below the app, in protocol.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
+import os
+import re
 
 import orjson
 
 from ramjet.balancer.build import Balancer
 from ramjet.balancer.forward import send_json
+from ramjet.balancer.relay import ResponseAborted
 from ramjet.errors import ApiError, error_body
 
 log = logging.getLogger("ramjet.app")
@@ -27,14 +34,31 @@ GENERATION_ROUTES = {
     "/v1/responses": "responses",
     "/v1/messages": "messages",
 }
+# Paths that could name something else once an engine or proxy normalises them: dot segments,
+# empty segments, backslashes, control characters (decoded), and encoded slashes, dots, backslashes.
+_ODD_PATH = re.compile(r"[\x00-\x1f\x7f\\]|//|(^|/)\.\.?(/|$)")
+_ODD_RAW = re.compile(rb"%(2[eEfF]|5[cC]|00)")
+_RETRY_AFTER = [(b"retry-after", b"1")]
+
+
+def route_matcher(templates: list[str]) -> re.Pattern:
+    """RJ_PASSTHROUGH_ROUTES (`/v1/models/{id}`: {name} is one path segment) as one anchored pattern."""
+    alternatives = [re.sub(r"\\\{[a-z_]+\\\}", "[^/]+", re.escape(t)) for t in templates]
+    return re.compile("(?:" + "|".join(alternatives) + ")") if alternatives else re.compile("(?!)")
 
 
 class BalancerApp:
     def __init__(self, balancer: Balancer):
+        s = balancer.settings
         self.balancer = balancer
         self.forwarder = balancer.forwarder
-        self.max_body_bytes = balancer.settings.max_body_bytes
-        self._keys = [k.encode() for k in balancer.settings.api_keys]
+        self.max_body_bytes = s.max_body_bytes
+        self.key_cap = s.api_key_max_in_flight
+        self.passthrough = route_matcher(s.passthrough_routes)
+        self._keys = [k.encode() for k in s.api_keys]
+        self._in_flight: dict[bytes | str, int] = {}  # per key (or client address without keys)
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(3).hex()  # tells apart the ids of several balancer processes
 
     async def _lifespan(self, receive, send) -> None:
         while True:
@@ -67,43 +91,80 @@ class BalancerApp:
                         "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
             await send({"type": "http.response.body", "body": self.balancer.metrics.render()})
             return
-        headers = scope["headers"]
-        if self._keys and not self._authorised(headers):
-            await send_json(send, 401, error_body("missing or invalid API key", "authentication_error",
-                                                  code="invalid_api_key"), [(b"www-authenticate", b"Bearer")])
-            return
+        request_id = f"{self._id_prefix}-{next(self._ids):x}"
         route = GENERATION_ROUTES.get(path)
+        if route is None and (_ODD_PATH.search(path) or _ODD_RAW.search(scope.get("raw_path") or b"")):
+            await self.forwarder.reject("other", ApiError(400, "the request path is not a plain path (dot segments, "
+                                                          "encoded separators or control characters)",
+                                                          code="invalid_path"), send, request_id)
+            return
+        headers = scope["headers"]
+        key = self._key(headers)
+        if key is None:
+            await self.forwarder.reject(route or "other", ApiError(401, "missing or invalid API key",
+                                                                   "authentication_error", code="invalid_api_key"),
+                                        send, request_id, [(b"www-authenticate", b"Bearer")])
+            return
         if route is not None:
             if method != "POST":
-                await send_json(send, 405, error_body(f"{path} accepts POST only", "invalid_request_error"),
-                                [(b"allow", b"POST")])
+                await self.forwarder.reject(route, ApiError(405, f"{path} accepts POST only", code="method_not_allowed"),
+                                            send, request_id, [(b"allow", b"POST")])
                 return
+            work = lambda raw, out: self.forwarder.generate(path, route, raw, headers, out, request_id)  # noqa: E731
+        elif method == "GET" and self.passthrough.fullmatch(path):
+            route = "passthrough"
+            work = lambda raw, out: self.forwarder.passthrough(path, headers, out, request_id)  # noqa: E731
+        else:
+            await self.forwarder.reject("other", ApiError(404, f"no route for {method} {path}", code="not_found"),
+                                        send, request_id)
+            return
+        holder = key if self._keys else _client(scope)
+        if not self._admit(holder):
+            self.balancer.metrics.key_limited.inc()
+            await self.forwarder.reject(route, ApiError(429, f"this key already has {self.key_cap} requests in "
+                                                        "flight (RJ_API_KEY_MAX_IN_FLIGHT)", "rate_limit_error",
+                                                        code="too_many_in_flight"), send, request_id, _RETRY_AFTER)
+            return
+        try:
             try:
                 raw = await self._read_body(headers, receive)
             except ApiError as e:
-                await self.forwarder.reject(route, e, send)
+                await self.forwarder.reject(route, e, send, request_id)
                 return
             if raw is not None:  # None: the client left while sending
-                await self._guarded(lambda out: self.forwarder.generate(path, route, raw, headers, out), receive, send)
-        elif path.startswith("/v1/") and method == "GET":
-            qs = scope.get("query_string", b"")
-            full = path + ("?" + qs.decode("latin-1") if qs else "")
-            await self._guarded(lambda out: self.forwarder.passthrough(full, headers, out), receive, send)
-        else:
-            await send_json(send, 404, error_body(f"no route for {method} {path}", "invalid_request_error",
-                                                  code="not_found"))
+                await self._guarded(lambda out: work(raw, out), receive, send, request_id)
+        finally:
+            self._release(holder)
 
-    def _authorised(self, headers: list[tuple[bytes, bytes]]) -> bool:
+    def _key(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        """The client's key if it is one of RJ_API_KEYS (b"" when no keys are configured), else None."""
+        if not self._keys:
+            return b""
         given = b""
         for k, v in headers:
             if k == b"authorization" and v[:7].lower() == b"bearer ":
                 given = v[7:].strip()
             elif k == b"x-api-key" and not given:  # Anthropic-style clients
                 given = v.strip()
-        ok = False
+        found = None
         for key in self._keys:  # compare against every key: time does not reveal which matched
-            ok |= hmac.compare_digest(given, key)
-        return ok
+            if hmac.compare_digest(given, key):
+                found = key
+        return found
+
+    def _admit(self, holder: bytes | str) -> bool:
+        n = self._in_flight.get(holder, 0)
+        if self.key_cap and n >= self.key_cap:
+            return False
+        self._in_flight[holder] = n + 1
+        return True
+
+    def _release(self, holder: bytes | str) -> None:
+        n = self._in_flight[holder] - 1
+        if n:
+            self._in_flight[holder] = n
+        else:
+            del self._in_flight[holder]
 
     async def _read_body(self, headers, receive) -> bytes | None:
         limit = self.max_body_bytes
@@ -124,10 +185,11 @@ class BalancerApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _guarded(self, work, receive, send) -> None:
+    async def _guarded(self, work, receive, send, request_id: str) -> None:
         """Run `work(send)` while watching for the client to disconnect; cancel it if they do.
 
-        Anything unexpected becomes a logged 500, as long as the response has not started.
+        Anything unexpected is one log line with the request id and a 500 (if nothing was sent yet);
+        a response cut short on purpose (ResponseAborted) is re-raised so the server drops the connection.
         """
         started = False
 
@@ -140,10 +202,16 @@ class BalancerApp:
         async def run() -> None:
             try:
                 await work(tracking_send)
-            except Exception:
-                log.exception("internal error")
+            except ResponseAborted as e:
+                log.warning("request %s: %s; closing the client connection without an ending", request_id, e)
+                raise
+            except Exception as e:
+                log.error("request %s: internal error: %s: %s", request_id, type(e).__name__, e,
+                          exc_info=log.isEnabledFor(logging.DEBUG))
                 if not started:
-                    await send_json(send, 500, error_body("internal error in the balancer", "server_error"))
+                    await send_json(send, 500, error_body(f"internal error in the balancer (request {request_id})",
+                                                          "server_error"),
+                                    [(b"x-ramjet-request-id", request_id.encode())])
 
         task = asyncio.create_task(run())
         watcher = asyncio.create_task(_wait_disconnect(receive))
@@ -152,7 +220,9 @@ class BalancerApp:
         finally:  # the client left, the work ended, or this request itself was cancelled (shutdown)
             task.cancel()
             watcher.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
+            results = await asyncio.gather(task, watcher, return_exceptions=True)
+        if isinstance(results[0], ResponseAborted):
+            raise results[0]
 
 
 async def _wait_disconnect(receive) -> None:
@@ -161,3 +231,8 @@ async def _wait_disconnect(receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _client(scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 import httpx
 
 from ramjet.balancer.fleet import Fleet
-from ramjet.balancer.forward import Forwarder
+from ramjet.balancer.forward import Forwarder, ForwardSettings
 from ramjet.balancer.journal import Journal
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.outcome import Recorder
 from ramjet.balancer.prober import Prober, ProbeSettings
+from ramjet.balancer.relay import PASSED_RESPONSE_HEADERS
 from ramjet.balancer.topology import Replica
-from ramjet.balancer.upstream import Upstream, make_client
+from ramjet.balancer.upstream import Upstream, make_transport
 from ramjet.config import Settings
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
@@ -59,23 +60,25 @@ class Balancer:
 
 
 def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics | None = None,
-                   client: httpx.AsyncClient | None = None, probes: bool = True) -> Balancer:
-    """Every part of one balancer. `client`: the upstream HTTP client (tests pass an in-process one)."""
+                   transport: httpx.AsyncBaseTransport | None = None, probes: bool = True) -> Balancer:
+    """Every part of one balancer. `transport`: how to reach the engines (tests pass in-process ones)."""
     s = settings
     metrics = metrics or Metrics()
     params = Params(cap_blocks=s.route_max_overlap_blocks, alpha=s.route_alpha, chunk_bytes=s.route_chunk_bytes,
                     load_unit_bytes=s.route_load_unit_bytes, max_load_units=s.route_max_load_units)
     router = Router(s.policy_name, params, [s.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
                     s.route_max_prefix_bytes, balance_new_sessions=s.route_new_sessions == "balance")
-    fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after)
+    fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
+                  s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
-    upstream = Upstream(client or make_client(s.connect_timeout_s, s.first_byte_timeout_s, s.pool_idle_timeout_s),
-                        token)
+    upstream = Upstream(transport or make_transport(s.pool_idle_timeout_s), s.connect_timeout_s,
+                        s.first_byte_timeout_s, token)
     target = s.journal_target
     journal = Journal(target) if target else None
     recorder = Recorder(metrics, replicas, journal)
-    forwarder = Forwarder(replicas, router, fleet, upstream, recorder, metrics, s.route_max_attempts,
-                          s.first_byte_timeout_s, s.health_timeout_s + PASSTHROUGH_EXTRA_S)
+    forwarder = Forwarder(replicas, router, fleet, upstream, recorder, metrics, ForwardSettings(
+        s.route_max_attempts, s.first_byte_timeout_s, s.health_timeout_s + PASSTHROUGH_EXTRA_S, s.max_json_depth,
+        s.failover_budget_percent / 100, PASSED_RESPONSE_HEADERS | frozenset(s.pass_response_headers)))
     prober = None
     if probes:
         prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(

@@ -3,6 +3,14 @@
 The Fleet is the only writer of replica state. The attempt loop reserves load
 through a `Reservation` (every exit path gives it back) and reports evidence
 from real requests; the prober reports probe results; the operator API drains.
+
+Evidence from real requests follows outlier-detection practice (docs/operations.md):
+a failure is a strike against the replica, the replica becomes a suspect that the
+prober confirms with a rank probe, and only RJ_FENCE_AFTER_FAILURES consecutive
+strikes from distinct requests fence it without a probe; request errors alone
+never fence more than RJ_FENCE_MAX_SHARE of the fleet. A request that fails on
+two replicas is the request's fault: its strikes are withdrawn. Requests still
+waiting for a first byte on a replica that gets fenced are told at once.
 When an engine refuses connections its process is gone, and with it the KV
 cache of every one of its ranks: the Fleet bumps their cache epoch, and the
 router's owner forgets what those replicas held (Forwarder.sync_caches).
@@ -10,6 +18,7 @@ router's owner forgets what those replicas held (Forwarder.sync_caches).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -36,6 +45,8 @@ class ReplicaState:
     last_progress: float = -1e18  # monotonic time it last showed life on real work
     passes: int = 0               # consecutive passing probe rounds while fenced
     cache_epoch: int = 0          # bumped whenever its engine lost its cache
+    strikes: set = field(default_factory=set)      # ids of distinct requests that failed here in a row
+    waiting: set = field(default_factory=set)      # FirstByteWait of requests awaiting a first byte here
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     @property
@@ -77,12 +88,44 @@ class Reservation:
         self.close()
 
 
+class FirstByteWait:
+    """A request waiting on one replica for its first byte; the fleet cancels it if that replica is fenced."""
+
+    __slots__ = ("_fleet", "replica", "task", "fenced")
+
+    def __init__(self, fleet: Fleet, replica: int):
+        self._fleet = fleet
+        self.replica = replica
+        self.task = asyncio.current_task()
+        self.fenced = False
+
+    def __enter__(self) -> FirstByteWait:
+        self._fleet.states[self.replica].waiting.add(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fleet.states[self.replica].waiting.discard(self)
+
+    def interrupted(self) -> bool:
+        """After a CancelledError: was it this fence (then the request may fail over), not the client leaving?"""
+        if self.fenced and self.task is not None and self.task.cancelling() == 1:
+            self.task.uncancel()
+            return True
+        return False
+
+
 class Fleet:
-    def __init__(self, replicas: list[Replica], metrics: Metrics, liveness_window_s: float, unfence_after: int):
+    def __init__(self, replicas: list[Replica], metrics: Metrics, liveness_window_s: float, unfence_after: int,
+                 fence_after_failures: int = 3, fence_max_share: float = 0.5):
         self.replicas = replicas
+        self.metrics = metrics
         self.states = [ReplicaState(r, metrics.for_replica(r.labels)) for r in replicas]
         self.liveness_window_s = liveness_window_s
         self.unfence_after = unfence_after
+        self.fence_after_failures = fence_after_failures
+        self.max_fenced_by_requests = int(fence_max_share * len(replicas))
+        self.suspects: set[int] = set()            # replicas a rank probe should confirm now
+        self.suspicion = asyncio.Event()           # set when a replica becomes a suspect
 
     # --- routing inputs -------------------------------------------------
     def routable(self) -> list[bool]:
@@ -120,6 +163,47 @@ class Fleet:
     def recently_alive(self, i: int) -> bool:
         return time.monotonic() - self.states[i].last_progress <= self.liveness_window_s
 
+    def awaiting_first_byte(self, i: int) -> FirstByteWait:
+        return FirstByteWait(self, i)
+
+    def request_failed(self, i: int, request_id: str, reason: str) -> None:
+        """A real request failed on replica i (5xx, no first byte in time, died mid-stream): a strike."""
+        s = self.states[i]
+        s.strikes.add(request_id)
+        if not s.serving:
+            return
+        if len(s.strikes) >= self.fence_after_failures:
+            self.fence_by_requests(i, f"request_{reason}")
+        else:
+            self.suspects.add(i)
+            self.suspicion.set()
+
+    def request_succeeded(self, i: int) -> None:
+        """A 2xx: the replica's failures are no longer consecutive."""
+        strikes = self.states[i].strikes
+        if strikes:
+            strikes.clear()
+            self.suspects.discard(i)
+
+    def withdraw(self, request_id: str) -> None:
+        """The request failed on several replicas: evidence against it, not against them."""
+        for i, s in enumerate(self.states):
+            if request_id in s.strikes:
+                s.strikes.discard(request_id)
+                if not s.strikes:
+                    self.suspects.discard(i)
+
+    def fence_by_requests(self, i: int, reason: str) -> None:
+        """Fence on request evidence, unless request errors already fenced RJ_FENCE_MAX_SHARE of the fleet."""
+        by_requests = sum(1 for s in self.states if not s.serving and s.reason.startswith("request_"))
+        if by_requests >= self.max_fenced_by_requests:
+            self.metrics.fences_withheld.inc()
+            log.warning("not fencing upstream %s on request errors alone (%s): already %d of %d replicas fenced "
+                        "that way (RJ_FENCE_MAX_SHARE)", self.replicas[i].ordinal, reason, by_requests,
+                        len(self.states))
+            return
+        self.fence(i, reason)
+
     def engine_refused(self, engine: str) -> None:
         """Nothing listens at `engine`: fence all its ranks; their caches are gone, whatever their state."""
         for i, s in enumerate(self.states):
@@ -147,10 +231,15 @@ class Fleet:
     def fence(self, i: int, reason: str) -> None:
         s = self.states[i]
         s.passes = 0
+        self.suspects.discard(i)
         if not s.serving:
             return
         s.serving = False
         s.reason = reason
+        for wait in s.waiting:  # they sent nothing to their clients yet: let them fail over now
+            wait.fenced = True
+            if wait.task is not None:
+                wait.task.cancel()
         s.metrics.up.set(0)
         s.metrics.fenced(reason)
         self._event(s, "fenced", reason)
@@ -161,6 +250,7 @@ class Fleet:
         if s.serving:
             return
         s.serving, s.reason, s.passes = True, "", 0
+        s.strikes.clear()
         s.metrics.up.set(1)
         s.metrics.unfences.inc()
         self._event(s, "unfenced", "")

@@ -85,6 +85,15 @@ class Metrics:
                               (*REPLICA_LABELS, "reason"), registry=r)
         self.unfences = Counter("ramjet_upstream_unfences", "Times a fenced replica returned to service",
                                 REPLICA_LABELS, registry=r)
+        self.failover_budget_exhausted = Counter(
+            "ramjet_failover_budget_exhausted", "Failovers not attempted: RJ_FAILOVER_BUDGET_PERCENT of the requests "
+            "in flight were already failing over", registry=r)
+        self.key_limited = Counter("ramjet_client_key_limited",
+                                   "Requests refused (429) because their key was at RJ_API_KEY_MAX_IN_FLIGHT",
+                                   registry=r)
+        self.fences_withheld = Counter("ramjet_upstream_fences_withheld",
+                                       "Fences on request errors withheld: RJ_FENCE_MAX_SHARE of the fleet already "
+                                       "fenced that way", registry=r)
         self.fail_open = Counter("ramjet_route_fail_open_dispatches",
                                  "Requests dispatched while no replica was serving", registry=r)
         self.index_blocks = Gauge("ramjet_index_blocks", "Prefix blocks remembered per replica",

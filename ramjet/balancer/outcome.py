@@ -26,6 +26,7 @@ log = logging.getLogger("ramjet.requests")
 @dataclass(slots=True)
 class Outcome:
     route: str
+    request_id: str = ""                                # X-Ramjet-Request-Id, in the log line and journal
     t0: float = field(default_factory=time.monotonic)  # arrival, monotonic
     ts: float = field(default_factory=time.time)       # arrival, wall clock
     decision: Decision | None = None
@@ -93,7 +94,7 @@ class Recorder:
     @staticmethod
     def _journal_record(o: Outcome, duration: float) -> dict:
         d = o.decision
-        record = {"ts": round(o.ts, 3), "route": o.route, "blocks": len(d.fingerprint.blocks),
+        record = {"ts": round(o.ts, 3), "id": o.request_id, "route": o.route, "blocks": len(d.fingerprint.blocks),
                   "prompt_bytes": d.fingerprint.prompt_bytes, "overlaps": d.overlaps, "scores": d.ranking.scores,
                   "loads": o.loads, "serving": o.routable, "reason": d.ranking.reason, "policy": d.policy,
                   "attempts": o.attempts}
@@ -107,7 +108,7 @@ class Recorder:
 
     def _log_fields(self, o: Outcome, duration: float) -> dict:
         replica = self.replicas[o.replica] if o.replica is not None else None
-        fields = {"route": o.route, "upstream": replica.ordinal if replica else None,
+        fields = {"id": o.request_id, "route": o.route, "upstream": replica.ordinal if replica else None,
                   "rank": replica.dp_rank if replica else None, "status": o.status, "outcome": o.result,
                   "attempts": len(o.attempts), "ttfb_ms": round(o.ttfb * 1000, 1) if o.ttfb is not None else None,
                   "duration_ms": round(duration * 1000, 1)}

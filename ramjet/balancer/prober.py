@@ -7,6 +7,8 @@ that made progress on a real request within the liveness window is not acted
 on. An error answer fences at once; a refused connection (the engine process
 is gone) downs every rank of the engine. Fenced replicas keep being probed
 and return after RJ_UNFENCE_AFTER passing rounds. The rules are `judge`.
+A replica a real request just failed on is probed at once (`confirm`): that
+probe's failure fences it, whatever share of the fleet is already fenced.
 """
 
 from __future__ import annotations
@@ -73,13 +75,34 @@ class Prober:
         self.engines = sorted({r.engine for r in replicas})
 
     async def run(self) -> None:
+        """A round every interval; between rounds, confirm each new suspect at once."""
         while True:
-            started = time.monotonic()
+            deadline = time.monotonic() + self.s.interval_s
             try:
                 await self.round()
             except Exception:  # a probe bug must never stop health checking
                 log.exception("probe round failed")
-            await asyncio.sleep(max(self.s.interval_s - (time.monotonic() - started), 0.01))
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self.fleet.suspicion.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                self.fleet.suspicion.clear()
+                try:
+                    await self.confirm()
+                except Exception:
+                    log.exception("confirming probe failed")
+
+    async def confirm(self) -> None:
+        """Probe the replicas real requests failed on: a failing rank probe fences, a passing one clears."""
+        suspects = sorted(self.fleet.suspects)
+        self.fleet.suspects.clear()
+        ranked = [i for i in suspects if self.s.rank_probe and self.replicas[i].dp_rank is not None]
+        results = await asyncio.gather(*(self._rank_probe(self.replicas[i]) for i in ranked))
+        for i, result in zip(ranked, results):
+            j = judge([("rank", result)], self.fleet.recently_alive(i))
+            if j.verdict == "fence":
+                self.fleet.fence(i, f"confirmed_{j.reason}")
 
     async def round(self) -> None:
         ranked = [r for r in self.replicas if self.s.rank_probe and r.dp_rank is not None]

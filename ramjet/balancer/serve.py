@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import resource
 import sys
 
 import uvicorn
@@ -17,6 +18,8 @@ import uvicorn
 from ramjet.balancer.admin import build_admin_app
 from ramjet.balancer.app import BalancerApp
 from ramjet.balancer.build import Balancer, build_balancer
+from ramjet.balancer.protocol import ClientLimits, limited_protocol
+from ramjet.balancer.relay import ResponseAborted
 from ramjet.balancer.topology import Replica, build_replicas
 from ramjet.config import ConfigError, Settings, load_settings
 
@@ -29,6 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def setup_logging(level: str) -> None:
     logging.basicConfig(stream=sys.stderr, level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for name in ("httpx", "httpcore"):  # they would log every upstream URL (and its query) at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").addFilter(_not_aborted)
+
+
+def _not_aborted(record: logging.LogRecord) -> bool:
+    """Drop the server's traceback for a response cut short on purpose: the app logged it in one line."""
+    return not (record.exc_info and isinstance(record.exc_info[1], ResponseAborted))
+
+
+def raise_open_files_limit(wanted: int) -> None:
+    """Let the process hold RJ_CLIENT_MAX_CONNECTIONS client sockets plus their upstream ones."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
 async def serve(settings: Settings, replicas: list[Replica]) -> None:
     """Serve every listener until cancelled or signalled."""
     balancer = build_balancer(settings, replicas)
-    common = dict(log_level=settings.log_level, access_log=False, server_header=False,
-                  timeout_keep_alive=75, loop="auto", http="auto")
+    raise_open_files_limit(2 * settings.client_max_connections + 1024)
+    limits = ClientLimits(settings.client_max_connections, settings.client_max_headers,
+                          settings.client_max_header_bytes, settings.client_max_url_bytes,
+                          settings.client_header_timeout_s, settings.client_body_timeout_s,
+                          settings.client_idle_timeout_s)
+    common = dict(log_level=settings.log_level, access_log=False, server_header=False, loop="uvloop",
+                  http=limited_protocol(limits), timeout_keep_alive=settings.client_idle_timeout_s)
     servers = [uvicorn.Server(uvicorn.Config(BalancerApp(balancer), host=settings.api_host, port=settings.api_port,
                                              lifespan="on", **common))]
     if settings.metrics_addr:

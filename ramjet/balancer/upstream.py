@@ -55,26 +55,36 @@ def is_refused(exc: BaseException) -> bool:
     return False
 
 
-def make_client(connect_timeout_s: float, read_timeout_s: float, pool_idle_timeout_s: float) -> httpx.AsyncClient:
-    """Pooled client; idle sockets expire before the engines' 5 s keep-alive closes them."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s, write=60.0, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
-                            keepalive_expiry=pool_idle_timeout_s),
-    )
+def make_transport(pool_idle_timeout_s: float) -> httpx.AsyncHTTPTransport:
+    """Pooled connections; idle sockets expire before the engines' 5 s keep-alive closes them.
+
+    The transport, not a client: a client keeps a cookie jar (an engine's Set-Cookie on one
+    client's answer would be replayed on another client's request) and may follow redirects.
+    """
+    return httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None, max_keepalive_connections=512,
+                                                        keepalive_expiry=pool_idle_timeout_s),
+                                    trust_env=False)
 
 
 class Upstream:
-    def __init__(self, client: httpx.AsyncClient, token: str | None = None):
-        self.client = client
+    def __init__(self, transport: httpx.AsyncBaseTransport, connect_timeout_s: float, read_timeout_s: float,
+                 token: str | None = None):
+        self.transport = transport
         self.auth: Headers = [(b"authorization", b"Bearer " + token.encode())] if token else []
+        self._timeouts = {"connect": connect_timeout_s, "read": read_timeout_s, "write": 60.0, "pool": None}
+
+    def _request(self, method: str, url: str, content: bytes | None, headers: Headers, read_timeout_s: float | None = None
+                 ) -> httpx.Request:
+        timeouts = self._timeouts if read_timeout_s is None else {**self._timeouts, "read": read_timeout_s}
+        return httpx.Request(method, url, content=content, headers=headers + self.auth,
+                             extensions={"timeout": timeouts})
 
     async def open(self, method: str, url: str, content: bytes | None, headers: Headers,
                    deadline: float) -> Opened:
         """Send the request and wait for the first body byte, all before `deadline` (monotonic)."""
-        request = self.client.build_request(method, url, content=content, headers=headers + self.auth)
+        request = self._request(method, url, content, headers)
         try:
-            resp = await asyncio.wait_for(self.client.send(request, stream=True), _left(deadline))
+            resp = await asyncio.wait_for(self.transport.handle_async_request(request), _left(deadline))
         except (asyncio.TimeoutError, httpx.TimeoutException) as e:
             raise UpstreamFailure("connect_timeout" if isinstance(e, httpx.ConnectTimeout)
                                   else "first_byte_timeout") from None
@@ -102,18 +112,25 @@ class Upstream:
     async def status(self, method: str, url: str, timeout_s: float, content: bytes | None = None,
                      headers: Headers | None = None) -> int:
         """One small request whose body nobody needs (a probe): its HTTP status, or UpstreamFailure."""
-        try:  # a deadline on the whole exchange: the client's own timeouts are per read
-            resp = await asyncio.wait_for(self.client.request(method, url, content=content,
-                                                              headers=(headers or []) + self.auth,
-                                                              timeout=timeout_s), timeout_s)
+        request = self._request(method, url, content, headers or [], read_timeout_s=timeout_s)
+
+        async def exchange() -> int:
+            resp = await self.transport.handle_async_request(request)
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
+            return resp.status_code
+
+        try:  # a deadline on the whole exchange: the transport's own timeouts are per read
+            return await asyncio.wait_for(exchange(), timeout_s)
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise UpstreamFailure("timeout") from None
         except httpx.TransportError as e:
             raise UpstreamFailure("refused" if is_refused(e) else "connect") from None
-        return resp.status_code
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.transport.aclose()
 
 
 def _left(deadline: float) -> float:

@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close idle keep-alive connections after this many real seconds")
     p.add_argument("--fault", type=_fault, action="append", default=[], metavar="RANK:MODE",
                    help=f"inject a fault at start (repeatable); MODE is one of {', '.join(FAULT_MODES)}")
+    p.add_argument("--response-header", action="append", default=[], metavar="NAME:VALUE",
+                   help="add this header to every answer (test hook: a hostile or misconfigured engine)")
+    p.add_argument("--poison-text", default=None, metavar="TEXT",
+                   help="answer 500 on every rank to any prompt containing TEXT (test hook: a query of death)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -58,8 +62,16 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> SimConfig:
         health_generation=environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower()
         not in ("0", "false", "no", "off"),
         health_timeout_s=float(environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")),
-        faults=dict(args.fault),
+        faults=dict(args.fault), response_headers=dict(_header(h) for h in args.response_header),
+        poison_text=args.poison_text,
     )
+
+
+def _header(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"--response-header wants NAME:VALUE, got {text!r}")
+    return name.strip(), value.strip()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,10 @@ class SimConfig:
     health_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT, real seconds
     ideal_max_pages: int = 1_000_000
     faults: dict[int, str] = field(default_factory=dict)
+    # test hooks for a balancer's hardening: headers added to every answer (a hostile or misconfigured engine),
+    # and a text that makes every rank answer 500 (an input the engine cannot handle: a "query of death")
+    response_headers: dict[str, str] = field(default_factory=dict)
+    poison_text: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

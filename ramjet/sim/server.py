@@ -10,6 +10,7 @@ import contextlib
 import hmac
 import logging
 import time
+from collections import deque
 
 import orjson
 from starlette.applications import Starlette
@@ -28,6 +29,7 @@ from ramjet.sim.tokens import tokenize
 
 log = logging.getLogger("ramjet.sim")
 
+REQUEST_LOG = 1000  # requests remembered for GET /sim/requests
 _MODEL_TYPE = "glm_moe_dsa"
 _ARCHITECTURE = "GlmMoeDsaForCausalLM"
 
@@ -60,8 +62,37 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+class _Recorder:
+    """Remembers every request's method, path, query and Cookie header (GET /sim/requests), and adds
+    SimConfig.response_headers to every answer."""
+
+    def __init__(self, app, config: SimConfig, seen: deque):
+        self.app = app
+        self.seen = seen
+        self.extra = [(k.lower().encode(), v.encode()) for k, v in config.response_headers.items()]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cookie = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"cookie"), None)
+        self.seen.append({"method": scope["method"], "path": scope["path"],
+                          "raw_path": (scope.get("raw_path") or b"").decode("latin-1"),
+                          "query": scope.get("query_string", b"").decode("latin-1"), "cookie": cookie})
+        if not self.extra:
+            await self.app(scope, receive, send)
+            return
+
+        async def adding(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.extra]}
+            await send(message)
+        await self.app(scope, receive, adding)
+
+
 def build_app(config: SimConfig) -> Starlette:
     engine = Engine(config)
+    seen: deque = deque(maxlen=REQUEST_LOG)
     render_metrics = metrics_renderer(engine)
     started = int(time.time())
     model = config.model_name
@@ -81,6 +112,10 @@ def build_app(config: SimConfig) -> Starlette:
         rank = engine.place(spec.rank)
         headers = {"X-Sim-Dp-Rank": str(rank)}
         target = engine.ranks[rank]
+        if config.poison_text and config.poison_text.encode() in spec.prompt:
+            target.stats.requests += 1
+            target.stats.errors += 1
+            return _error(ApiError(500, "simulated engine error on this input", "internal_server_error"), headers)
         if target.fault == "error":
             target.stats.requests += 1
             target.stats.errors += 1
@@ -162,6 +197,9 @@ def build_app(config: SimConfig) -> Starlette:
     async def sim_stats(request: Request) -> Response:
         return _json(engine.stats())
 
+    async def sim_requests(request: Request) -> Response:
+        return _json({"requests": list(seen)})
+
     async def sim_faults(request: Request) -> Response:
         if request.method == "POST":
             try:
@@ -211,10 +249,12 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", sim_faults, methods=["GET", "POST"]),
+        Route("/sim/requests", sim_requests, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.engine = engine
     if config.api_key:
         app.add_middleware(_ApiKeyGuard, key=config.api_key)
+    app.add_middleware(_Recorder, config=config, seen=seen)
     return app

@@ -9,19 +9,18 @@ time. The variables are documented in docs/configuration.md.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import math
 import os
 import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import (AfterValidator, Field, NonNegativeInt, PositiveInt, SecretStr, ValidationError, ValidationInfo,
                       field_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from ramjet.config.values import is_loopback, normalise_url, parse_addr, redact
 from ramjet.routing.policies import BASES
 
 MIB = 1024 * 1024
@@ -37,58 +36,6 @@ class ConfigError(Exception):
     def __init__(self, problems: str | list[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
-
-
-def _redact(text: str) -> str:
-    """Hide URL credentials: a URL's user:password part is a secret."""
-    return re.sub(r"//[^/@\s]*@", "//***@", text)
-
-
-def normalise_url(raw: str) -> str:
-    """Engine base URL -> canonical form (lower-case scheme and host, no trailing slash).
-
-    One canonical form per engine, because the engine identity (all ranks behind
-    one process) is the URL. Credentials, queries and fragments are refused:
-    the upstream token goes in RJ_UPSTREAM_TOKEN, never in a URL.
-    """
-    url = raw.strip().rstrip("/")
-    expected = "expected http(s)://host[:port][/path]"
-    if not url:
-        raise ValueError(f"empty URL; {expected}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{_redact(url)!r} is not a valid URL; {expected}") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{_redact(url)!r} is not an http(s) URL; {expected}")
-    if "@" in parts.netloc:
-        raise ValueError(f"{_redact(url)!r} carries credentials; put the token in RJ_UPSTREAM_TOKEN")
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        raise ValueError(f"{_redact(url)!r} has a query or fragment; {expected}")
-    if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"{_redact(url)!r} has port {port} out of range; {expected}")
-    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
-
-
-def parse_addr(raw: str) -> tuple[str, int]:
-    """`host:port` or `[ipv6]:port` -> (host, port), host without brackets as servers want it."""
-    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^:\[\]\s]+):(\d+)", raw.strip())
-    if not m:
-        raise ValueError(f"{raw!r} is not host:port; expected e.g. 0.0.0.0:8000 or [::]:8000")
-    host, port = (m[1], m[2]) if m[1] else (m[3], m[4])
-    if not 1 <= int(port) <= 65535:
-        raise ValueError(f"port {port} is out of range 1-65535")
-    return host, int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # another host name: it may resolve anywhere
 
 
 def _seconds(ms_field: str) -> property:
@@ -140,6 +87,24 @@ class Settings(BaseSettings):
     upstream_pool_idle_timeout_ms: NonNegativeInt = 4000
     max_body_bytes: PositiveInt = 16 * MIB
 
+    # client limits: what one client may cost (docs/security.md)
+    client_max_connections: PositiveInt = 4096
+    client_max_headers: PositiveInt = 100
+    client_max_header_bytes: PositiveInt = 32 * 1024
+    client_max_url_bytes: PositiveInt = 8 * 1024
+    client_header_timeout_ms: PositiveInt = 10_000
+    client_body_timeout_ms: PositiveInt = 60_000
+    client_idle_timeout_ms: PositiveInt = 60_000
+    api_key_max_in_flight: NonNegativeInt = 128  # per key (per client address without keys); 0: no cap
+    max_json_depth: int = Field(64, ge=2, le=200)
+    passthrough_routes: list[str] = ["/v1/models", "/v1/models/{id}"]
+    pass_response_headers: list[str] = []
+
+    # fencing on evidence from real requests (docs/operations.md)
+    fence_after_failures: PositiveInt = 3
+    fence_max_share: float = Field(0.5, ge=0, le=1)
+    failover_budget_percent: float = Field(20.0, ge=0, le=100)
+
     # listeners, logs
     api_addr: str = "0.0.0.0:8000"
     metrics_addr: str | None = None
@@ -168,7 +133,7 @@ class Settings(BaseSettings):
 
     # --- field validators: one rule each; a rule between two variables sits on the later one ---
 
-    @field_validator("upstream", "api_keys", "admin_keys", mode="before")
+    @field_validator("upstream", "api_keys", "admin_keys", "passthrough_routes", "pass_response_headers", mode="before")
     @classmethod
     def _v_comma_list(cls, v: Any) -> Any:
         # An empty upstream entry stays (and fails): it would shift RJ_UPSTREAM_DP_RANKS. An empty key is dropped.
@@ -249,10 +214,27 @@ class Settings(BaseSettings):
     @classmethod
     def _v_admin_guarded(cls, v: list[str], info: ValidationInfo) -> list[str]:
         addr = info.data.get("admin_addr")
-        if not v and addr is not None and not _is_loopback(parse_addr(addr)[0]):
+        if not v and addr is not None and not is_loopback(parse_addr(addr)[0]):
             raise ValueError(f"is empty but RJ_ADMIN_ADDR ({addr}) is not a loopback address, so anyone who reaches "
                              "it could drive the operator API; set RJ_ADMIN_KEYS or bind RJ_ADMIN_ADDR to 127.0.0.1")
         return v
+
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _v_routes(cls, v: list[str]) -> list[str]:
+        for route in v:
+            if not re.fullmatch(r"/v1(/([A-Za-z0-9_.-]+|\{[a-z_]+\}))+", route) or "/." in route:
+                raise ValueError(f"{route!r} is not a route under /v1/: expected paths like /v1/models or "
+                                 "/v1/models/{id} ({name} matches one path segment)")
+        return v
+
+    @field_validator("pass_response_headers")
+    @classmethod
+    def _v_header_names(cls, v: list[str]) -> list[str]:
+        bad = [h for h in v if not re.fullmatch(r"[A-Za-z0-9-]+", h) or h.lower().startswith("x-ramjet-")]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: expected header names (x-ramjet-* are the balancer's own)")
+        return [h.lower() for h in v]
 
     @field_validator("health_path")
     @classmethod
@@ -316,6 +298,9 @@ class Settings(BaseSettings):
     health_timeout_s = _seconds("health_timeout_ms")
     rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
     liveness_window_s = _seconds("liveness_window_ms")
+    client_header_timeout_s = _seconds("client_header_timeout_ms")
+    client_body_timeout_s = _seconds("client_body_timeout_ms")
+    client_idle_timeout_s = _seconds("client_idle_timeout_ms")
 
 
 PREFIX: str = Settings.model_config["env_prefix"]
@@ -359,7 +344,7 @@ def _invalid(exc: ValidationError, given: Mapping[str, str]) -> list[str]:
     out = []
     for var, msgs in messages.items():
         value = given.get(var)
-        name = var if var in SECRET_VARS or value is None else f"{var}={_redact(value)!r}"
+        name = var if var in SECRET_VARS or value is None else f"{var}={redact(value)!r}"
         out.append(f"{name}: {'; '.join(msgs)}" if var else "; ".join(msgs))
     return out
 
