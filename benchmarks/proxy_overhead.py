@@ -13,6 +13,7 @@ ahead of PYTHONPATH), so another checkout is measured through PYTHONPATH; the he
 
     python benchmarks/proxy_overhead.py [--repeat 3] [--requests 2000] [--skip-router]
     PYTHONPATH=/tmp/orig python benchmarks/proxy_overhead.py    # the code checked out at /tmp/orig
+    python benchmarks/proxy_overhead.py --baseline /tmp/orig      # this checkout and that one, same run
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
     children.append(Child("ramjet", [py, "-m", "ramjet", "serve"], bal_env, workdir))
     children[-1].wait_ready(f"http://{HOST}:{port}", 60)
     targets = [("direct", sim_url, None), ("ramjet", f"http://{HOST}:{port}", children[-1])]
+    if args.baseline:  # the same balancer from another checkout, in the same run
+        port = free_port()
+        base_env = {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "PYTHONPATH": args.baseline}
+        children.append(Child("ramjet-before", [py, "-m", "ramjet", "serve"], base_env, workdir))
+        children[-1].wait_ready(f"http://{HOST}:{port}", 60)
+        targets.append(("ramjet-before", f"http://{HOST}:{port}", children[-1]))
     if not args.skip_router:
         binary = Path(py).with_name("sglang-router")  # the wheel's launcher, not a pyenv shim
         binary = str(binary) if binary.exists() else shutil.which("sglang-router")
@@ -307,14 +314,14 @@ def cell(values: list, empty: str = "-", unit: str = "") -> str:
 
 def print_table(title: str, runs: list[dict], args) -> None:
     names = list(runs[0])
-    ratio = "ramjet" in names and "sglang-router" in names
-    cols = names + (["ramjet / router"] if ratio else [])
+    pairs = [(a, b) for a, b in (("ramjet", "sglang-router"), ("ramjet", "ramjet-before")) if b in names]
+    cols = names + [f"{a} / {b.removeprefix('sglang-')}" for a, b in pairs]
     print(f"\n### {title}\n\n| | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     fmt = {"n": args.clients, "s": STREAM_CLIENTS, "t": STREAM_TOKENS}
     for key, label, with_ratio in ROWS:
         cells = [cell([run[n][key] for run in runs], "n/a" if (key, n) == ("lag", "ramjet") else "-") for n in names]
-        if ratio:
-            a, b = [[run[n][key] for run in runs] for n in ("ramjet", "sglang-router")]
+        for pair in pairs:
+            a, b = [[run[n][key] for run in runs] for n in pair]
             cells.append(cell([x / y if with_ratio and x is not None and y else None for x, y in zip(a, b)], unit="x"))
         print(f"| {label.format(**fmt)} | " + " | ".join(cells) + " |", flush=True)
 
@@ -369,6 +376,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=300, help="unmeasured requests per target at start")
     ap.add_argument("--max-seconds", type=float, default=60.0, help="wall-clock cap per phase")
     ap.add_argument("--skip-router", action="store_true", help="no sglang-router (not installed here)")
+    ap.add_argument("--baseline", metavar="DIR", help="also run the balancer of the checkout at DIR (before/after)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so `finally` stops children
     workdir = Path(tempfile.mkdtemp(prefix="proxy_overhead."))

@@ -1,20 +1,24 @@
-"""In-process test bed: simulated engines and the balancer as ASGI apps in one event loop, no sockets.
+"""In-process test bed: simulated engines and the balancer in one event loop, no subprocess.
 
-`stack(...)` builds what `ramjet serve` builds (settings -> replicas -> build_balancer)
-with one difference: the upstream client reaches the simulators' apps in process
-(httpx mounts per engine URL). Behaviour tests use it; a few true loopback tests
-(tests/test_loopback.py) cover what needs sockets: streaming byte by byte, client
-disconnects, crashes, restarts and keep-alive.
+`stack(...)` builds what `ramjet serve` builds (settings -> replicas -> build_balancer):
+each simulator is served by uvicorn inside the test's event loop on a loopback port,
+so the balancer reaches it with its real upstream client, and the test drives the
+balancer's app directly (httpx's ASGI transport). Behaviour tests use it; the true
+end-to-end tests (tests/test_loopback.py, tests/test_hardening.py) start processes
+for what needs them: the client-facing protocol, crashes, restarts, keep-alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
+import uvicorn
 
 from ramjet.balancer.app import BalancerApp
 from ramjet.balancer.build import Balancer, build_balancer
@@ -41,14 +45,23 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-class ByHost(httpx.AsyncBaseTransport):
-    """Each engine's in-process app under its own base URL, as one transport."""
-
-    def __init__(self, apps: dict[str, httpx.AsyncBaseTransport]):
-        self.apps = {httpx.URL(u).host: t for u, t in apps.items()}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        return await self.apps[request.url.host].handle_async_request(request)
+@contextlib.asynccontextmanager
+async def serve_in_process(app) -> AsyncIterator[str]:
+    """Serve an ASGI app on a free loopback port in this event loop; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=1))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await until(lambda: server.started or task.done(), "the in-process server started")
+        if task.done():
+            task.result()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await asyncio.gather(task, return_exceptions=True)
+        sock.close()
 
 
 @dataclass
@@ -76,28 +89,23 @@ class Stack:
 async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False, **rj: str):
     """`engines` simulators (8 ranks, time scale 1000 unless `sim` says otherwise) behind one balancer.
 
-    `rj`: RJ_* settings without the prefix, e.g. route_affinity_basis="absolute".
+    `rj`: RJ_* settings without the prefix, e.g. route_affinity_basis="absolute"; "{sim0}" in a value
+    stands for the first simulator's URL (e.g. upstream="{sim0},{sim0}").
     """
     apps = [build_app(SimConfig(**{"time_scale": 1000.0, **(sim or {})})) for _ in range(engines)]
-    urls = [f"http://sim{i}" for i in range(engines)]
-    env = {"RJ_UPSTREAM": ",".join(urls), "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_ADMIN_ADDR": "off"}
-    env.update({f"RJ_{k.upper()}": str(v) for k, v in rj.items()})
     async with contextlib.AsyncExitStack() as es:
-        for app in apps:
-            await es.enter_async_context(app.router.lifespan_context(app))
-        engines_transport = ByHost({u: httpx.ASGITransport(app=a) for u, a in zip(urls, apps)})
+        urls = [await es.enter_async_context(serve_in_process(app)) for app in apps]
+        env = {"RJ_UPSTREAM": ",".join(urls), "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_ADMIN_ADDR": "off"}
+        env.update({f"RJ_{k.upper()}": str(v).replace("{sim0}", urls[0]) for k, v in rj.items()})
         settings = load_settings(env)
-        async with httpx.AsyncClient(transport=engines_transport, timeout=30) as discovery:
-            replicas = await build_replicas(settings, client=discovery)
-        balancer = build_balancer(settings, replicas, transport=engines_transport, probes=probes)
+        replicas = await build_replicas(settings)
+        balancer = build_balancer(settings, replicas, probes=probes)
         await balancer.start()
         es.push_async_callback(balancer.stop)
         transport = httpx.ASGITransport(app=BalancerApp(balancer))
         client = await es.enter_async_context(httpx.AsyncClient(transport=transport, base_url="http://ramjet",
                                                                 timeout=30))
-        direct = [await es.enter_async_context(httpx.AsyncClient(transport=httpx.ASGITransport(app=a),
-                                                                 base_url=u, timeout=30))
-                  for u, a in zip(urls, apps)]
+        direct = [await es.enter_async_context(httpx.AsyncClient(base_url=u, timeout=30)) for u in urls]
         yield Stack(client, balancer, [a.state.engine for a in apps], direct, transport)
 
 

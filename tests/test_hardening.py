@@ -138,7 +138,7 @@ async def test_request_errors_alone_fence_at_most_the_configured_share():
 async def test_requests_waiting_on_a_rank_that_gets_fenced_fail_over_at_once():
     # The first-byte timeout is two minutes; the prober fences the wedged rank within a second or so,
     # and the request that was waiting there moves on at once (counted as a "fenced" failover).
-    async with stack(sim={"faults": {3: "wedge"}}, upstream="http://sim0,http://sim0", upstream_dp_size="",
+    async with stack(sim={"faults": {3: "wedge"}}, upstream="{sim0},{sim0}", upstream_dp_size="",
                      upstream_dp_ranks="3,5", affinity="load", probes=True, upstream_rank_probe="on",
                      health_interval_ms="300", upstream_rank_probe_timeout_ms="300", liveness_window_ms="0") as s:
         r = await asyncio.wait_for(s.chat("waits on the wedged rank first"), 30)
@@ -181,12 +181,19 @@ def test_an_engine_crash_under_load_clears_what_all_its_ranks_held(start_sim, st
 # --- 6. a truncated answer never looks complete ----------------------------------------------
 
 async def test_an_engine_dying_inside_a_json_body_is_an_error_at_the_client(start_balancer, tmp_path):
+    client_has_the_start = asyncio.Event()
+
     async def half_answer(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET "):  # the balancer's readiness probe
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            writer.close()
+            return
         body = b'{"id": "x", "choices": [{"message": {"content": "the start of a long answ'
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n" + body)
         await writer.drain()
-        writer.transport.abort()  # the engine process dies
+        await client_has_the_start.wait()
+        writer.transport.abort()  # the engine process dies inside the body
 
     server = await asyncio.start_server(half_answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -195,7 +202,10 @@ async def test_an_engine_dying_inside_a_json_body_is_an_error_at_the_client(star
                                    log_level="debug")
         async with httpx.AsyncClient(timeout=20) as client:
             with pytest.raises(httpx.RemoteProtocolError):
-                await client.post(url + "/v1/chat/completions", json=chat_body())
+                async with client.stream("POST", url + "/v1/chat/completions", json=chat_body()) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_raw():
+                        client_has_the_start.set()
             assert (await client.get(url + "/health")).status_code == 200  # the balancer carries on
     log_text = proc.log_path.read_text()
     assert "died inside a non-streamed body" in log_text

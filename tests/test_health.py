@@ -61,7 +61,7 @@ async def test_saturated_ranks_are_never_fenced_and_probe_failures_are_suppresse
     # Two pinned ranks, each given eight cold 13K-token prompts at once: a rank reads one in about
     # a second at this time scale, so probes queue behind real work for several rounds.
     async with stack(sim={"time_scale": 2.0}, probes=True, upstream_dp_ranks="2,5", upstream_dp_size="",
-                     upstream="http://sim0,http://sim0", liveness_window_ms="5000", **PROBING) as s:
+                     upstream="{sim0},{sim0}", liveness_window_ms="5000", **PROBING) as s:
         rng = random.Random(3)
         texts = [" ".join(f"w{rng.randrange(10**6)}" for _ in range(7000)) for _ in range(16)]  # always cold
         codes = await asyncio.gather(*(s.chat(t) for t in texts))
@@ -109,7 +109,7 @@ async def test_all_fenced_fails_open():
 
 async def test_requests_stuck_on_a_wedged_rank_fail_over_after_first_byte_timeout():
     # load-only routing alternates between the two idle replicas, so the wedged one keeps being tried
-    async with stack(sim={"faults": {3: "wedge"}}, upstream="http://sim0,http://sim0", upstream_dp_size="",
+    async with stack(sim={"faults": {3: "wedge"}}, upstream="{sim0},{sim0}", upstream_dp_size="",
                      upstream_dp_ranks="3,5", upstream_first_byte_timeout_ms="300", affinity="load") as s:
         for i in range(12):
             r = await s.chat(f"q{i}")

@@ -1,19 +1,41 @@
-"""Upstream list / topology file -> replicas."""
+"""Upstream list / topology file -> replicas; dp size discovery against small engines on loopback."""
 
+import contextlib
 import json
 
-import httpx
 import pytest
-import respx
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from ramjet.config import ConfigError, load_settings
 from ramjet.balancer.topology import Replica, build_replicas
+from ramjet.config import ConfigError, load_settings
+from ramjet.demo.procs import free_port
 
-A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
+A, B = "http://10.0.0.1:30000", "http://10.0.0.2:30000"  # never contacted: only where nothing is discovered
 
 
-async def replicas(env: dict[str, str], client: httpx.AsyncClient | None = None) -> list[Replica]:
-    return await build_replicas(load_settings(env), client)
+async def replicas(env: dict[str, str]) -> list[Replica]:
+    return await build_replicas(load_settings(env))
+
+
+@contextlib.asynccontextmanager
+async def engine(answers: dict[str, tuple[int, object]]):
+    """An engine on loopback answering GET path -> (status, JSON body); records the Authorization it got."""
+    seen: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        status, body = answers.get(request.path, (404, {"detail": "Not Found"}))
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handle)
+    server = TestServer(app, host="127.0.0.1", port=free_port())
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), seen
+    finally:
+        await server.close()
 
 
 async def error(env: dict[str, str]) -> str:
@@ -61,30 +83,26 @@ async def test_duplicate_pair_refused():
     assert "without a rank pin is already listed" in await error({"RJ_UPSTREAM": f"{A},{A}/"})
 
 
-@respx.mock
 async def test_auto_reads_get_server_info_with_token():
-    route = respx.get(f"{A}/get_server_info").mock(return_value=httpx.Response(200, json={"dp_size": 8}))
-    rs = await replicas({"RJ_UPSTREAM": A, "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_UPSTREAM_TOKEN": "tok-1"})
+    async with engine({"/get_server_info": (200, {"dp_size": 8})}) as (url, seen):
+        rs = await replicas({"RJ_UPSTREAM": url, "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_UPSTREAM_TOKEN": "tok-1"})
     assert [r.dp_rank for r in rs] == list(range(8))
-    assert route.calls.last.request.headers["authorization"] == "Bearer tok-1"
+    assert seen == ["Bearer tok-1"]
 
 
-@respx.mock
 async def test_auto_falls_back_to_server_info():
-    respx.get(f"{A}/get_server_info").mock(return_value=httpx.Response(404))
-    respx.get(f"{A}/server_info").mock(return_value=httpx.Response(200, json={"dp_size": 2}))
-    respx.get(f"{B}/get_server_info").mock(return_value=httpx.Response(200, json={"dp_size": 1}))
-    async with httpx.AsyncClient() as client:
-        rs = await replicas({"RJ_UPSTREAM": f"{A},{B}", "RJ_UPSTREAM_DP_SIZE": "auto"}, client)
-    assert [(r.engine, r.dp_rank, r.node) for r in rs] == [(A, 0, "engine0"), (A, 1, "engine0"), (B, None, "engine1")]
+    async with engine({"/server_info": (200, {"dp_size": 2})}) as (a, _), \
+            engine({"/get_server_info": (200, {"dp_size": 1})}) as (b, _):
+        rs = await replicas({"RJ_UPSTREAM": f"{a},{b}", "RJ_UPSTREAM_DP_SIZE": "auto"})
+    assert [(r.engine, r.dp_rank, r.node) for r in rs] == [(a, 0, "engine0"), (a, 1, "engine0"), (b, None, "engine1")]
 
 
-@respx.mock
 async def test_auto_errors_name_the_engine():
-    respx.get(f"{A}/get_server_info").mock(side_effect=httpx.ConnectError("refused"))
-    respx.get(f"{B}/get_server_info").mock(return_value=httpx.Response(200, json={"version": "x"}))
-    msg = await error({"RJ_UPSTREAM": f"{A},{B}", "RJ_UPSTREAM_DP_SIZE": "auto", "RJ_UPSTREAM_TOKEN": "tok-SECRET"})
-    assert "RJ_UPSTREAM entry 0 (engine0)" in msg and "ConnectError" in msg
+    nobody = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused
+    async with engine({"/get_server_info": (200, {"version": "x"})}) as (b, _):
+        msg = await error({"RJ_UPSTREAM": f"{nobody},{b}", "RJ_UPSTREAM_DP_SIZE": "auto",
+                           "RJ_UPSTREAM_TOKEN": "tok-SECRET"})
+    assert "RJ_UPSTREAM entry 0 (engine0)" in msg and "refused" in msg
     assert "RJ_UPSTREAM entry 1 (engine1)" in msg and "no valid dp_size" in msg
     assert "tok-SECRET" not in msg
 
@@ -101,10 +119,9 @@ async def test_topology_file(tmp_path):
     assert rs[8].model is None and rs[8].kv_capacity_tokens is None
 
 
-@respx.mock
 async def test_topology_file_auto(tmp_path):
-    respx.get(f"{A}/get_server_info").mock(return_value=httpx.Response(200, json={"dp_size": 3}))
-    rs = await replicas(write(tmp_path, {"nodes": [{"name": "n", "replicas": [{"url": A, "dp_ranks": "auto"}]}]}))
+    async with engine({"/get_server_info": (200, {"dp_size": 3})}) as (url, _):
+        rs = await replicas(write(tmp_path, {"nodes": [{"name": "n", "replicas": [{"url": url, "dp_ranks": "auto"}]}]}))
     assert [r.dp_rank for r in rs] == [0, 1, 2]
 
 
@@ -137,9 +154,8 @@ async def test_out_of_range_rank_refused(tmp_path):
     assert "rank 8 is outside [0, 8)" in msg and "rank 7" not in msg
 
 
-@respx.mock
 async def test_out_of_range_rank_refused_against_auto(tmp_path):
-    respx.get(f"{A}/get_server_info").mock(return_value=httpx.Response(200, json={"dp_size": 4}))
-    msg = await error(write(tmp_path, {"nodes": [{"name": "a", "replicas": [
-        {"url": A, "dp_ranks": [3, 4], "dp_size": "auto"}]}]}))
+    async with engine({"/get_server_info": (200, {"dp_size": 4})}) as (url, _):
+        msg = await error(write(tmp_path, {"nodes": [{"name": "a", "replicas": [
+            {"url": url, "dp_ranks": [3, 4], "dp_size": "auto"}]}]}))
     assert "rank 4 is outside [0, 4)" in msg

@@ -1,9 +1,10 @@
 """The balancer's client-facing ASGI app: routes, API keys, per-key caps, body limits, disconnect watching.
 
 Written against bare ASGI rather than a framework so the hot path reads the
-body once and can watch for the client going away while it waits for an
-upstream (a disconnected agent must free its rank at once); a framework route
-would also cost a tenth of the whole request (docs/benchmarks.md). The
+body once and stops the moment the client goes away while it waits for an
+upstream (a disconnected agent must free its rank at once: the protocol
+cancels the request's task); a framework route would also cost a sixth of the
+whole request (docs/benchmarks.md). The
 operator API, where a framework serves better, is a separate app (admin.py).
 Limits on the connection itself (headers, timeouts, connections) are enforced
 below the app, in protocol.py.
@@ -35,8 +36,9 @@ GENERATION_ROUTES = {
     "/v1/messages": "messages",
 }
 # Paths that could name something else once an engine or proxy normalises them: dot segments,
-# empty segments, backslashes, control characters (decoded), and encoded slashes, dots, backslashes.
-_ODD_PATH = re.compile(r"[\x00-\x1f\x7f\\]|//|(^|/)\.\.?(/|$)")
+# empty segments, backslashes, control characters, ? and # (all decoded: an encoded ? would end the
+# path upstream), and encoded slashes, dots, backslashes.
+_ODD_PATH = re.compile(r"[\x00-\x1f\x7f\\?#]|//|(^|/)\.\.?(/|$)")
 _ODD_RAW = re.compile(rb"%(2[eEfF]|5[cC]|00)")
 _RETRY_AFTER = [(b"retry-after", b"1")]
 
@@ -132,7 +134,7 @@ class BalancerApp:
                 await self.forwarder.reject(route, e, send, request_id)
                 return
             if raw is not None:  # None: the client left while sending
-                await self._guarded(lambda out: work(raw, out), receive, send, request_id)
+                await self._guarded(lambda out: work(raw, out), send, request_id)
         finally:
             self._release(holder)
 
@@ -185,11 +187,10 @@ class BalancerApp:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _guarded(self, work, receive, send, request_id: str) -> None:
-        """Run `work(send)` while watching for the client to disconnect; cancel it if they do.
-
-        Anything unexpected is one log line with the request id and a 500 (if nothing was sent yet);
-        a response cut short on purpose (ResponseAborted) is re-raised so the server drops the connection.
+    async def _guarded(self, work, send, request_id: str) -> None:
+        """Run `work(send)`: anything unexpected is one log line with the request id and a 500 (if nothing
+        was sent yet); a response cut short on purpose (ResponseAborted) is re-raised so the server drops
+        the connection. A client that disconnects cancels this task (protocol.py): that ends here quietly.
         """
         started = False
 
@@ -199,38 +200,19 @@ class BalancerApp:
                 started = True
             await send(message)
 
-        async def run() -> None:
-            try:
-                await work(tracking_send)
-            except ResponseAborted as e:
-                log.warning("request %s: %s; closing the client connection without an ending", request_id, e)
-                raise
-            except Exception as e:
-                log.error("request %s: internal error: %s: %s", request_id, type(e).__name__, e,
-                          exc_info=log.isEnabledFor(logging.DEBUG))
-                if not started:
-                    await send_json(send, 500, error_body(f"internal error in the balancer (request {request_id})",
-                                                          "server_error"),
-                                    [(b"x-ramjet-request-id", request_id.encode())])
-
-        task = asyncio.create_task(run())
-        watcher = asyncio.create_task(_wait_disconnect(receive))
         try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # the client left, the work ended, or this request itself was cancelled (shutdown)
-            task.cancel()
-            watcher.cancel()
-            results = await asyncio.gather(task, watcher, return_exceptions=True)
-        if isinstance(results[0], ResponseAborted):
-            raise results[0]
-
-
-async def _wait_disconnect(receive) -> None:
-    """Return when the client disconnects (the request body has been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+            await work(tracking_send)
+        except ResponseAborted as e:
+            log.warning("request %s: %s; closing the client connection without an ending", request_id, e)
+            raise
+        except asyncio.CancelledError:
+            return  # the client left; its upstream request and reservation were released on the way out
+        except Exception as e:
+            log.error("request %s: internal error: %s: %s", request_id, type(e).__name__, e,
+                      exc_info=log.isEnabledFor(logging.DEBUG))
+            if not started:
+                await send_json(send, 500, error_body(f"internal error in the balancer (request {request_id})",
+                                                      "server_error"), [(b"x-ramjet-request-id", request_id.encode())])
 
 
 def _client(scope) -> str:

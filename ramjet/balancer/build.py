@@ -8,9 +8,8 @@ methods.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
-
-import httpx
 
 from ramjet.balancer.fleet import Fleet
 from ramjet.balancer.forward import Forwarder, ForwardSettings
@@ -20,12 +19,21 @@ from ramjet.balancer.outcome import Recorder
 from ramjet.balancer.prober import Prober, ProbeSettings
 from ramjet.balancer.relay import PASSED_RESPONSE_HEADERS
 from ramjet.balancer.topology import Replica
-from ramjet.balancer.upstream import Upstream, make_transport
+from ramjet.balancer.upstream import Upstream
 from ramjet.config import Settings
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 
 PASSTHROUGH_EXTRA_S = 10.0  # a passthrough may take the readiness timeout plus this
+LAG_SAMPLE_S = 0.25
+
+
+async def watch_loop_lag(metrics: Metrics) -> None:
+    """Sleep LAG_SAMPLE_S again and again; whatever more than that passes is time the loop was busy."""
+    while True:
+        started = time.monotonic()
+        await asyncio.sleep(LAG_SAMPLE_S)
+        metrics.loop_lag.observe(max(time.monotonic() - started - LAG_SAMPLE_S, 0.0))
 
 
 @dataclass
@@ -42,6 +50,7 @@ class Balancer:
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
 
@@ -60,8 +69,8 @@ class Balancer:
 
 
 def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics | None = None,
-                   transport: httpx.AsyncBaseTransport | None = None, probes: bool = True) -> Balancer:
-    """Every part of one balancer. `transport`: how to reach the engines (tests pass in-process ones)."""
+                   probes: bool = True) -> Balancer:
+    """Every part of one balancer; `probes=False` leaves the prober out (tests that drive health by hand)."""
     s = settings
     metrics = metrics or Metrics()
     params = Params(cap_blocks=s.route_max_overlap_blocks, alpha=s.route_alpha, chunk_bytes=s.route_chunk_bytes,
@@ -71,8 +80,7 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
                   s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
-    upstream = Upstream(transport or make_transport(s.pool_idle_timeout_s), s.connect_timeout_s,
-                        s.first_byte_timeout_s, token)
+    upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.pool_idle_timeout_s, token)
     target = s.journal_target
     journal = Journal(target) if target else None
     recorder = Recorder(metrics, replicas, journal)

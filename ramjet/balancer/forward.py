@@ -144,6 +144,10 @@ class Forwarder:
                 await send_json(send, e.status, e.body(), self._id_header(o))
                 return
             await self._forward(o, path, raw, forwardable(headers), send)
+        except asyncio.CancelledError:
+            if o.result == "failed":  # nothing answered yet
+                o.status, o.result = 499, "client_disconnected"  # nginx's "client closed request"
+            raise
         finally:
             self._in_flight -= 1
             self.recorder.finish(o)

@@ -101,6 +101,11 @@ class Metrics:
         self.routing_seconds = Histogram("ramjet_routing_seconds", "Parse + fingerprint + score time per request",
                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
                                          registry=r)
+        self.loop_lag = Histogram("ramjet_event_loop_lag_seconds",
+                                  "How late the balancer's event loop ran a timer (sampled every 0.25 s): "
+                                  "time every client waits on top of its request",
+                                  buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                                  registry=r)
         self._prompt_total = 0
         self._cached_total = 0
         self._replicas: dict[tuple[str, str, str], ReplicaMetrics] = {}

@@ -56,7 +56,9 @@ class Recorder:
         self.metrics = metrics
         self.replicas = replicas
         self.replica_metrics = [metrics.for_replica(r.labels) for r in replicas]
+        self.ordinals = [str(r.ordinal) for r in replicas]
         self.journal = journal
+        self._children: dict[tuple, object] = {}
 
     def finish(self, o: Outcome) -> None:
         duration = time.monotonic() - o.t0
@@ -66,27 +68,35 @@ class Recorder:
         if log.isEnabledFor(logging.INFO):
             log.info("%s", orjson.dumps(self._log_fields(o, duration)).decode())
 
+    def _child(self, metric, *labels: str):
+        """A labelled child, looked up once: prometheus_client locks and hashes on every .labels() call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def _metrics(self, o: Outcome, duration: float) -> None:
-        m = self.metrics
+        m, child = self.metrics, self._child
         if o.decision is not None:
             reason = o.decision.ranking.reason
             m.routing_seconds.observe(o.routing_s)
-            m.decisions.labels(reason).inc()
+            child(m.decisions, reason).inc()
             if reason == "fail_open":
                 m.fail_open.inc()
         for a in o.attempts:
             if "failed" in a:
-                m.failovers.labels(a["failed"]).inc()
+                child(m.failovers, a["failed"]).inc()
         if o.affinity_hit is True:
             m.affinity_hits.inc()
         elif o.affinity_hit is False:
             m.affinity_misses.inc()
         if o.ttfb is not None:
-            m.ttfb.labels(o.route).observe(o.ttfb)
+            child(m.ttfb, o.route).observe(o.ttfb)
         if o.replica is not None:
-            m.duration.labels(o.route).observe(duration)
-        upstream = "" if o.replica is None else str(self.replicas[o.replica].ordinal)
-        m.requests.labels(o.route, str(o.status), upstream).inc()
+            child(m.duration, o.route).observe(duration)
+        upstream = "" if o.replica is None else self.ordinals[o.replica]
+        child(m.requests, o.route, str(o.status), upstream).inc()
         if o.usage is not None and o.replica is not None:
             u = o.usage
             m.observe_usage(self.replica_metrics[o.replica], u.prompt_tokens, u.cached_tokens, u.completion_tokens)

@@ -101,7 +101,9 @@ class Prober:
         results = await asyncio.gather(*(self._rank_probe(self.replicas[i]) for i in ranked))
         for i, result in zip(ranked, results):
             j = judge([("rank", result)], self.fleet.recently_alive(i))
-            if j.verdict == "fence":
+            if j.verdict == "engine_down":  # the engine process is gone (and its caches with it)
+                self.fleet.engine_refused(self.replicas[i].engine)
+            elif j.verdict == "fence":
                 self.fleet.fence(i, f"confirmed_{j.reason}")
 
     async def round(self) -> None:

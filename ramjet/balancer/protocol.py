@@ -75,6 +75,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refusal: bytes | None = None
         self._lingering = False
+        self._task: asyncio.Task | None = None
 
     # --- connection ---------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -89,7 +90,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         if self.parser is None or self.flow is None:  # refused at connection_made: never counted
             return
+        unanswered = self.cycle is not None and not self.cycle.response_complete
         super().connection_lost(exc)
+        if unanswered and self._task is not None:
+            self._task.cancel()  # the client left: stop its request now (a queued prefill frees its rank)
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        """As uvicorn does, keeping the task: a client that disconnects cancels its request."""
+        task = self.loop.create_task(cycle.run_asgi(app))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        self._task = task
 
     def data_received(self, data: bytes) -> None:
         if self.parser is None or self.transport.is_closing() or self._lingering:

@@ -17,9 +17,7 @@ import re
 import time
 from dataclasses import dataclass
 
-import httpx
-
-from ramjet.balancer.upstream import Opened
+from ramjet.balancer.upstream import Opened, UpstreamBroken
 from ramjet.errors import error_body
 from ramjet.usage import Usage, UsageTap
 
@@ -53,8 +51,7 @@ class Relayed:
 
 
 def response_headers(opened: Opened, ordinal: int, request_id: bytes, allowed: frozenset[str]) -> list:
-    out = [(k, v) for k, v in opened.response.headers.raw
-           if k.lower().decode("latin-1") in allowed and not _BAD_VALUE.search(v)]
+    out = [(k, v) for k, v in opened.headers if k.lower().decode("latin-1") in allowed and not _BAD_VALUE.search(v)]
     out.append((b"x-ramjet-upstream", str(ordinal).encode()))
     out.append((b"x-ramjet-request-id", request_id))
     return out
@@ -67,7 +64,7 @@ async def relay(opened: Opened, ordinal: int, send, t0: float, request_id: bytes
     `Relayed.ended` is False when the engine died inside a non-streamed body: the caller
     must then raise ResponseAborted so the client's connection ends without a terminator.
     """
-    sse = opened.response.headers.get("content-type", "").startswith("text/event-stream")
+    sse = opened.content_type.startswith("text/event-stream")
     tap = UsageTap(sse) if tap_usage else None
     out = Relayed(opened.status, "ok", None, None, True)
     try:
@@ -79,13 +76,13 @@ async def relay(opened: Opened, ordinal: int, send, t0: float, request_id: bytes
                 tap.feed(opened.first)
             await send({"type": "http.response.body", "body": opened.first, "more_body": True})
         try:
-            async for chunk in opened.rest:
+            async for chunk in opened.rest():
                 if tap:
                     tap.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.TransportError as e:
+        except UpstreamBroken as e:
             out.result = "upstream_died"
-            log.warning("upstream %s failed mid-stream: %s", ordinal, type(e).__name__)
+            log.warning("upstream %s failed mid-stream: %s", ordinal, e)
             if not sse:
                 out.ended = False
                 return out

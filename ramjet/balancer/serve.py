@@ -14,6 +14,7 @@ import resource
 import sys
 
 import uvicorn
+import uvloop
 
 from ramjet.balancer.admin import build_admin_app
 from ramjet.balancer.app import BalancerApp
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         for r in replicas:
             print(f"upstream {r.ordinal}: node={r.node} rank={r.dp_rank}")
         return 0
-    asyncio.run(serve(settings, replicas))
+    uvloop.run(serve(settings, replicas))  # the balancer's loop; uvicorn's `loop` setting applies only to uvicorn.run
     return 0
 
 
@@ -74,7 +75,7 @@ async def serve(settings: Settings, replicas: list[Replica]) -> None:
                           settings.client_max_header_bytes, settings.client_max_url_bytes,
                           settings.client_header_timeout_s, settings.client_body_timeout_s,
                           settings.client_idle_timeout_s)
-    common = dict(log_level=settings.log_level, access_log=False, server_header=False, loop="uvloop",
+    common = dict(log_level=settings.log_level, access_log=False, server_header=False,
                   http=limited_protocol(limits), timeout_keep_alive=settings.client_idle_timeout_s)
     servers = [uvicorn.Server(uvicorn.Config(BalancerApp(balancer), host=settings.api_host, port=settings.api_port,
                                              lifespan="on", **common))]

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ramjet.balancer.upstream import Upstream, UpstreamFailure
 from ramjet.config import ConfigError, Settings, normalise_url
 
 DISCOVERY_TIMEOUT_S = 10.0  # /get_server_info goes through the scheduler; a loaded engine answers slowly
@@ -175,22 +175,19 @@ def load_topology_file(path: Path) -> list[_Entry]:
     return entries
 
 
-async def fetch_dp_size(client: httpx.AsyncClient, url: str, token: str | None) -> int:
+async def fetch_dp_size(upstream: Upstream, url: str) -> int:
     """The engine's dp_size from /get_server_info (older SGLang) or /server_info (newer). Raises ValueError."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for path in SERVER_INFO_PATHS:
         try:
-            resp = await client.get(url + path, headers=headers)
-        except httpx.HTTPError as exc:
-            raise ValueError(f"GET {path} failed: {type(exc).__name__}: {exc}") from None
-        if resp.status_code in (404, 405) and path != SERVER_INFO_PATHS[-1]:
+            status, info = await upstream.get_json(url + path, DISCOVERY_TIMEOUT_S)
+        except UpstreamFailure as exc:
+            raise ValueError(f"GET {path} failed: {exc.reason}") from None
+        if status in (404, 405) and path != SERVER_INFO_PATHS[-1]:
             continue
-        if resp.status_code != 200:
-            raise ValueError(f"GET {path} answered HTTP {resp.status_code}")
-        try:
-            info = resp.json()
-        except ValueError:
-            raise ValueError(f"GET {path} did not answer JSON") from None
+        if status != 200:
+            raise ValueError(f"GET {path} answered HTTP {status}")
+        if info is None:
+            raise ValueError(f"GET {path} did not answer JSON")
         size = info.get("dp_size") if isinstance(info, dict) else None
         if size is None and isinstance(info, dict) and isinstance(info.get("server_args"), dict):
             size = info["server_args"].get("dp_size")
@@ -200,19 +197,17 @@ async def fetch_dp_size(client: httpx.AsyncClient, url: str, token: str | None) 
     raise AssertionError("unreachable")
 
 
-async def _discover(entries: list[_Entry], settings: Settings, client: httpx.AsyncClient | None) -> list[str]:
+async def _discover(entries: list[_Entry], settings: Settings) -> list[str]:
     """Replace dp_size 'auto' by the engine's answer, one request per distinct URL, all concurrently."""
     urls = list(dict.fromkeys(e.url for e in entries if e.dp_size == "auto"))
     if not urls:
         return []
     token = settings.upstream_token.get_secret_value() if settings.upstream_token else None
-    own = client is None
-    client = client or httpx.AsyncClient(timeout=httpx.Timeout(DISCOVERY_TIMEOUT_S, connect=settings.connect_timeout_s))
+    upstream = Upstream(settings.connect_timeout_s, DISCOVERY_TIMEOUT_S, 0, token)
     try:
-        results = await asyncio.gather(*(fetch_dp_size(client, u, token) for u in urls), return_exceptions=True)
+        results = await asyncio.gather(*(fetch_dp_size(upstream, u) for u in urls), return_exceptions=True)
     finally:
-        if own:
-            await client.aclose()
+        await upstream.aclose()
     found = dict(zip(urls, results))
     problems = []
     for e in entries:
@@ -228,7 +223,7 @@ async def _discover(entries: list[_Entry], settings: Settings, client: httpx.Asy
     return problems
 
 
-async def build_replicas(settings: Settings, client: httpx.AsyncClient | None = None) -> list[Replica]:
+async def build_replicas(settings: Settings) -> list[Replica]:
     """Expand the configured engines into replicas with ordinals 0..n-1; raises ConfigError.
 
     dp size 1 means one replica without a pin (pinning a single-rank engine gains
@@ -240,7 +235,7 @@ async def build_replicas(settings: Settings, client: httpx.AsyncClient | None = 
         entries = _entries_from_env(settings)
     if not entries:
         raise ConfigError("RJ_UPSTREAM: no upstream configured; set RJ_UPSTREAM or RJ_TOPOLOGY_FILE")
-    problems = await _discover(entries, settings, client)
+    problems = await _discover(entries, settings)
 
     replicas: list[Replica] = []
     seen: dict[tuple[str, int | None], str] = {}
