@@ -15,6 +15,7 @@ COPY ramjet/__init__.py ramjet/__main__.py ramjet/cli.py ramjet/errors.py ramjet
 COPY ramjet/config ./ramjet/config
 COPY ramjet/routing ./ramjet/routing
 COPY ramjet/balancer ./ramjet/balancer
+COPY ramjet/kvevents ./ramjet/kvevents
 RUN pip install . \
     && rm -rf /src \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ramjet

@@ -48,7 +48,7 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 @contextlib.asynccontextmanager
 async def serve_in_process(app) -> AsyncIterator[str]:
     """Serve an ASGI app on a free loopback port in this event loop; yields its base URL."""
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=1))

@@ -59,9 +59,11 @@ def _serving(s, i):
 
 async def test_saturated_ranks_are_never_fenced_and_probe_failures_are_suppressed():
     # Two pinned ranks, each given eight cold 13K-token prompts at once: a rank reads one in about
-    # a second at this time scale, so probes queue behind real work for several rounds.
-    async with stack(sim={"time_scale": 2.0}, probes=True, upstream_dp_ranks="2,5", upstream_dp_size="",
-                     upstream="{sim0},{sim0}", liveness_window_ms="5000", **PROBING) as s:
+    # a second at this time scale and the engine-wide decode waits while any rank prefills, so no
+    # answer completes for several seconds and probes queue behind real work for many rounds; the
+    # liveness window (10 s, 20 engine seconds) spans that, as the default 30 s spans a cold 115K prompt.
+    async with stack(sim={"time_scale": 2.0, "health_generation": False}, probes=True, upstream_dp_ranks="2,5",
+                     upstream_dp_size="", upstream="{sim0},{sim0}", liveness_window_ms="10000", **PROBING) as s:
         rng = random.Random(3)
         texts = [" ".join(f"w{rng.randrange(10**6)}" for _ in range(7000)) for _ in range(16)]  # always cold
         codes = await asyncio.gather(*(s.chat(t) for t in texts))

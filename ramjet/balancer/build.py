@@ -16,6 +16,7 @@ from ramjet.balancer.forward import Forwarder, ForwardSettings
 from ramjet.balancer.journal import Journal
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.outcome import Recorder
+from ramjet.balancer.precise import Matcher, PreciseMode, PreciseSettings, load_tokenizer
 from ramjet.balancer.prober import Prober, ProbeSettings
 from ramjet.balancer.relay import PASSED_RESPONSE_HEADERS
 from ramjet.balancer.topology import Replica
@@ -23,6 +24,7 @@ from ramjet.balancer.upstream import Upstream
 from ramjet.config import Settings
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
+from ramjet.routing.token_index import TokenIndex
 
 PASSTHROUGH_EXTRA_S = 10.0  # a passthrough may take the readiness timeout plus this
 LAG_SAMPLE_S = 0.25
@@ -47,17 +49,22 @@ class Balancer:
     forwarder: Forwarder
     prober: Prober | None
     journal: Journal | None
+    precise: PreciseMode | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
+        if self.precise is not None:
+            self._tasks.append(asyncio.create_task(self.precise.run(self.upstream)))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.precise is not None:
+            self.precise.close()
         await self.upstream.aclose()
         if self.journal:
             self.journal.close()
@@ -84,12 +91,18 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     target = s.journal_target
     journal = Journal(target) if target else None
     recorder = Recorder(metrics, replicas, journal)
+    precise = None
+    if s.kv_events == "zmq":
+        matcher = Matcher(load_tokenizer(s.tokenizer), TokenIndex(len(replicas)), s.kv_host_tier_credit)
+        precise = PreciseMode(replicas, fleet, metrics, matcher, PreciseSettings(
+            s.kv_events_endpoint, s.kv_events_replay_endpoint, s.kv_events_topic, s.kv_events_silence_s,
+            s.health_timeout_s + PASSTHROUGH_EXTRA_S))
     forwarder = Forwarder(replicas, router, fleet, upstream, recorder, metrics, ForwardSettings(
         s.route_max_attempts, s.first_byte_timeout_s, s.health_timeout_s + PASSTHROUGH_EXTRA_S, s.max_json_depth,
-        s.failover_budget_percent / 100, PASSED_RESPONSE_HEADERS | frozenset(s.pass_response_headers)))
+        s.failover_budget_percent / 100, PASSED_RESPONSE_HEADERS | frozenset(s.pass_response_headers)), precise)
     prober = None
     if probes:
         prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(
             s.health_interval_s, s.health_path, s.health_timeout_s, s.upstream_rank_probe,
             s.upstream_rank_probe_path, s.rank_probe_timeout_s))
-    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal)
+    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal, precise)

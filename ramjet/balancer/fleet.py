@@ -211,6 +211,10 @@ class Fleet:
                 s.cache_epoch += 1
                 self.fence(i, "refused")
 
+    def cache_lost(self, i: int) -> None:
+        """The replica's engine reported its cache gone (its event stream restarted): forget what it held."""
+        self.states[i].cache_epoch += 1
+
     def probe_passed(self, i: int) -> None:
         """A whole probe round passed; a fenced replica returns after RJ_UNFENCE_AFTER of them."""
         s = self.states[i]
@@ -236,10 +240,11 @@ class Fleet:
             return
         s.serving = False
         s.reason = reason
-        for wait in s.waiting:  # they sent nothing to their clients yet: let them fail over now
-            wait.fenced = True
-            if wait.task is not None:
-                wait.task.cancel()
+        if any(other.routable for other in self.states):  # somewhere better to go: fail over now
+            for wait in s.waiting:  # they sent nothing to their clients yet
+                wait.fenced = True
+                if wait.task is not None:
+                    wait.task.cancel()
         s.metrics.up.set(0)
         s.metrics.fenced(reason)
         self._event(s, "fenced", reason)

@@ -25,6 +25,7 @@ from ramjet.balancer.attempts import Attempts
 from ramjet.balancer.fleet import Fleet
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.outcome import Outcome, Recorder
+from ramjet.balancer.precise import PreciseMode
 from ramjet.balancer.relay import ResponseAborted, relay
 from ramjet.balancer.topology import Replica
 from ramjet.balancer.upstream import Upstream, UpstreamFailure
@@ -100,13 +101,14 @@ async def send_json(send, status: int, body: bytes, extra: list[tuple[bytes, byt
 
 class Forwarder:
     def __init__(self, replicas: list[Replica], router: Router, fleet: Fleet, upstream: Upstream,
-                 recorder: Recorder, metrics: Metrics, settings: ForwardSettings):
+                 recorder: Recorder, metrics: Metrics, settings: ForwardSettings, precise: PreciseMode | None = None):
         self.replicas = replicas
         self.router = router
         self.fleet = fleet
         self.upstream = upstream
         self.recorder = recorder
         self.s = settings
+        self.precise = precise
         self._engines = [r.engine for r in replicas]
         self._index_gauges = [metrics.for_replica(r.labels).index_blocks for r in replicas]
         self._budget_exhausted = metrics.failover_budget_exhausted
@@ -134,10 +136,14 @@ class Forwarder:
         try:
             try:
                 body = parse_object(raw, self.s.max_json_depth)
+                started = time.monotonic()
+                shares = None
+                if self.precise is not None:  # tokenized off the loop; None: routed approximately
+                    o.match = await self.precise.match(route, body)
+                    shares = o.match[2] if o.match else None
                 self.sync_caches()
                 o.loads, o.routable = self.fleet.loads(), self.fleet.routable()
-                started = time.monotonic()
-                o.decision = self.router.decide(route, body, o.loads, o.routable)
+                o.decision = self.router.decide(route, body, o.loads, o.routable, held=shares)
                 o.routing_s = time.monotonic() - started
             except ApiError as e:
                 o.status, o.result = e.status, "rejected"
@@ -156,7 +162,9 @@ class Forwarder:
         decision = o.decision
         attempts = Attempts(decision.ranking.order, self._engines, self.fleet.is_routable, self.s.max_attempts)
         for i in attempts:
-            retry = len(attempts.tried) > 1
+            # A move off a rank fenced while the request waited there adds no work (the rank did none):
+            # it is not counted against the failover budget.
+            retry = len(attempts.tried) > 1 and o.failure != "fenced"
             if retry and not self._may_retry():
                 o.failure = "failover_budget"
                 break
@@ -201,6 +209,8 @@ class Forwarder:
                 self._answered(i, decision, o)
             relayed = await relay(opened, replica.ordinal, send, o.t0, o.request_id.encode(), self.s.passed_headers)
             o.status, o.result, o.ttfb, o.usage = relayed.status, relayed.result, relayed.ttfb, relayed.usage
+            if o.match and o.usage and self.precise is not None:
+                self._check_prediction(i, o)
             if relayed.result == "upstream_died":
                 self.fleet.request_failed(i, o.request_id, "midstream")
             elif relayed.result == "ok" and 200 <= relayed.status < 300:
@@ -208,6 +218,13 @@ class Forwarder:
             if not relayed.ended:
                 raise ResponseAborted(f"upstream {replica.ordinal} died inside a non-streamed body")
             return None
+
+    def _check_prediction(self, i: int, o: Outcome) -> None:
+        """Compare what each index predicted for replica i with the cached tokens its engine reported."""
+        prompt_tokens, held, _ = o.match
+        fp = o.decision.fingerprint
+        approximate = round(fp.covered_bytes(o.decision.overlaps[i]) / max(fp.prompt_bytes, 1) * prompt_tokens)
+        self.precise.observe(i, held[i].tokens, approximate, o.usage.cached_tokens)
 
     def _failed(self, o: Outcome, i: int, reason: str) -> str:
         o.failed_attempt(i, reason)

@@ -19,7 +19,7 @@ class ReplicaMetrics:
     """One replica's children of every per-replica collector."""
 
     __slots__ = ("in_flight", "load_units", "up", "index_blocks", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "probe_suppressed", "unfences", "_fences", "_labels")
+                 "completion_tokens", "probe_suppressed", "unfences", "kv_precise", "_fences", "_labels")
 
     def __init__(self, m: Metrics, labels: tuple[str, str, str]):
         self._labels = labels
@@ -33,6 +33,7 @@ class ReplicaMetrics:
         self.completion_tokens = m.completion_tokens.labels(*labels)
         self.probe_suppressed = m.probe_suppressed.labels(*labels)
         self.unfences = m.unfences.labels(*labels)
+        self.kv_precise = m.kv_precise.labels(*labels)
         self.up.set(1)
         self.index_blocks.set(0)
 
@@ -101,6 +102,22 @@ class Metrics:
         self.routing_seconds = Histogram("ramjet_routing_seconds", "Parse + fingerprint + score time per request",
                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
                                          registry=r)
+        # precise mode (RJ_KV_EVENTS): the engines' KV cache events
+        self.kv_precise = Gauge("ramjet_kv_precise", "1 while the replica is routed on its engine's KV events, "
+                                "0 while on the approximate index", REPLICA_LABELS, registry=r)
+        self.kv_batches = Counter("ramjet_kv_event_batches", "KV event batches received", REPLICA_LABELS, registry=r)
+        self.kv_events = Counter("ramjet_kv_events", "KV events received, by type", (*REPLICA_LABELS, "type"),
+                                 registry=r)
+        self.kv_stream_states = Counter("ramjet_kv_stream_states", "KV event stream changes: live, gap (replayed), "
+                                        "partial, restart, silent", (*REPLICA_LABELS, "kind"), registry=r)
+        self.kv_event_lag = Histogram("ramjet_kv_event_lag_seconds", "From an event batch's engine timestamp to "
+                                      "its arrival here", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+                                      registry=r)
+        self.kv_resident_tokens = Gauge("ramjet_kv_resident_tokens", "Tokens the engine reports the replica holds, "
+                                        "by tier", (*REPLICA_LABELS, "medium"), registry=r)
+        self.predictions = Counter("ramjet_prefix_predictions", "Answered requests whose predicted cached tokens "
+                                   "were within one block of the engine's report, by mode (precise, approximate)",
+                                   ("mode", "agreed"), registry=r)
         self.loop_lag = Histogram("ramjet_event_loop_lag_seconds",
                                   "How late the balancer's event loop ran a timer (sampled every 0.25 s): "
                                   "time every client waits on top of its request",

@@ -111,6 +111,15 @@ class Settings(BaseSettings):
     route_journal: bool | Path | None = Field(None, union_mode="left_to_right")  # a true/false word, else a path
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # precise mode: route on the engines' own KV cache events (docs/design.md)
+    kv_events: Literal["off", "zmq"] = "off"
+    kv_events_endpoint: str | None = None         # a template (tcp://{host}:5557, + rank) or a list; None: discover
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_silence_ms: PositiveInt = 10_000
+    kv_host_tier_credit: float = Field(0.9, ge=0, le=1)
+    tokenizer: Path | None = Field(None, validate_default=True)
+
     # health
     health_interval_ms: PositiveInt = 5000
     health_timeout_ms: PositiveInt = 2000
@@ -236,6 +245,21 @@ class Settings(BaseSettings):
             raise ValueError(f"{', '.join(bad)}: expected header names (x-ramjet-* are the balancer's own)")
         return [h.lower() for h in v]
 
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _v_kv_events(cls, v: Any) -> Any:
+        return "off" if isinstance(v, str) and v.lower() in FALSE_WORDS else v.lower() if isinstance(v, str) else v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _v_tokenizer(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        if info.data.get("kv_events") == "zmq" and v is None:
+            raise ValueError("is required with RJ_KV_EVENTS=zmq: precise routing tokenizes requests as the engine "
+                             "does; point it at the model's tokenizer directory (tokenizer.json, tokenizer_config.json)")
+        if v is not None and not (v / "tokenizer.json").is_file():
+            raise ValueError(f"{v} has no tokenizer.json; expected a Hugging Face tokenizer or model directory")
+        return v
+
     @field_validator("health_path")
     @classmethod
     def _v_path(cls, v: str) -> str:
@@ -298,6 +322,7 @@ class Settings(BaseSettings):
     health_timeout_s = _seconds("health_timeout_ms")
     rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
     liveness_window_s = _seconds("liveness_window_ms")
+    kv_events_silence_s = _seconds("kv_events_silence_ms")
     client_header_timeout_s = _seconds("client_header_timeout_ms")
     client_body_timeout_s = _seconds("client_body_timeout_ms")
     client_idle_timeout_s = _seconds("client_idle_timeout_ms")

@@ -24,15 +24,15 @@ class Decision:
     """Where one request should go, and why."""
 
     fingerprint: Fingerprint
-    overlaps: list[int]      # leading blocks each replica holds
+    overlaps: list[int]      # leading blocks each replica holds, by the approximate index
+    covered: list[float]     # prompt bytes each replica holds: the engine's report where trusted, else the index's
     ranking: Ranking
     new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
     policy: str              # the policy that ranked it
 
     def units(self, replica: int, params: Params) -> float:
         """Load units this request reserves on `replica`."""
-        fp = self.fingerprint
-        return load_units(fp.prompt_bytes, fp.covered_bytes(self.overlaps[replica]), params)
+        return load_units(self.fingerprint.prompt_bytes, self.covered[replica], params)
 
 
 class Router:
@@ -48,23 +48,29 @@ class Router:
         self.rotation = 0
 
     def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
-               advance: bool = True) -> Decision:
+               advance: bool = True, held: Sequence[float | None] | None = None) -> Decision:
         """Rank every replica for this request; raises ApiError (400) on wrong-typed prompt fields.
 
+        `held[i]`, where given and not None, is the share of the prompt replica i's engine reports it
+        holds (precise mode, from the KV events); it replaces the approximate index's guess for that
+        replica, in the same units, so the policies do not care where an overlap came from.
         `advance=False` leaves the tie-break rotation where it is (explaining, not routing).
         """
         chunk = self.params.chunk_bytes
         fp = fingerprint(route, body, chunk, self.max_prefix_bytes)
         n = len(self.index)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.reads_overlap else [0] * n
+        covered = [fp.covered_bytes(o) for o in overlaps]
+        if held is not None and self.policy.reads_overlap:
+            covered = [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
         new_session = self.balance_new_sessions and not self.index.continues(fp.blocks, overlaps)
         policy = self.new_sessions if new_session else self.policy
-        candidates = Candidates([fp.covered_bytes(o) / chunk for o in overlaps], loads, serving,
+        candidates = Candidates([c / chunk for c in covered], loads, serving,
                                 fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
         ranking = rank(policy, candidates, self.rotation)
         if advance:
             self.rotation += 1
-        return Decision(fp, overlaps, ranking, new_session, policy.name)
+        return Decision(fp, overlaps, covered, ranking, new_session, policy.name)
 
     def answered(self, replica: int, decision: Decision) -> None:
         """`replica` answered 2xx: it now holds the request's prefix."""

@@ -1,0 +1,285 @@
+"""Precise mode (RJ_KV_EVENTS=zmq): route on what the engines report they hold, replica by replica.
+
+Each replica's KV event stream (ramjet.kvevents) feeds the token index; a
+request is tokenized as its engine will tokenize it (off the event loop) and
+matched against it. A replica is trusted (precise) only while its stream is
+complete and its predictions agree with what its engine reports; otherwise it
+falls back to the approximate index, which is kept warm all along, so the
+fallback costs nothing but precision:
+
+- at start, until the start-up replay reached back to the stream's first batch;
+  a replay that cannot reach back (the engine ran longer than its buffer) makes
+  it partial, trusted again once its predictions agree;
+- a sequence gap the replay cannot fill: the same;
+- a silent stream (no batch while the replica answered requests that must have
+  stored blocks): until the stream speaks again;
+- predictions that miss the engine-reported cached tokens by more than a block
+  on AGREE_WINDOW answers in a row: until they agree again as often;
+- a restart (the sequence went back, or a new stream): the replica holds
+  nothing, which is known exactly, so it stays trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from ramjet.balancer.fleet import Fleet
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.topology import Replica
+from ramjet.balancer.upstream import Upstream, UpstreamFailure
+from ramjet.errors import ApiError
+from ramjet.kvevents.discovery import Endpoints, from_operator, from_server_info
+from ramjet.kvevents.subscriber import EventStream, StreamState
+from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from ramjet.routing.prompt_tokens import PromptTokenizer, TemplateError
+from ramjet.routing.token_index import Held, TokenIndex, chain
+
+log = logging.getLogger("ramjet.precise")
+
+AGREE_WINDOW = 3      # answers in a row that decide distrust, and trust again
+TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
+
+
+def load_tokenizer(path: str | Path, cache_tokens: int = 16_000_000) -> PromptTokenizer:
+    """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template)."""
+    path = Path(path)
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises its own exception types
+        raise TemplateError(f"{path}: cannot load tokenizer.json: {e}") from None
+    config: dict = {}
+    if (path / "tokenizer_config.json").exists():
+        try:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise TemplateError(f"{path / 'tokenizer_config.json'}: {e}") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is None and (path / "chat_template.jinja").exists():
+        template = (path / "chat_template.jinja").read_text()
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[key] = value
+    return PromptTokenizer(tokenizer, template, special, cache_tokens)
+
+
+@dataclass(slots=True)
+class Trust:
+    """One replica's standing: does the router use the engine's report, or the approximate index?"""
+
+    synced: bool = False           # the stream's start is known (replay reached back, or a restart)
+    live: bool = False             # batches are arriving (not silent)
+    agreeing: bool = True          # predictions matched the engine's cached tokens lately
+    reason: str = "starting"       # why it is not trusted, when it is not
+    streak: list = field(default_factory=list)  # the last AGREE_WINDOW comparisons (True: within a block)
+
+    @property
+    def trusted(self) -> bool:
+        return self.synced and self.live and self.agreeing
+
+    def stream(self, kind: str) -> None:
+        """A StreamState from the subscriber: live | gap | partial | restart | silent."""
+        if kind == "live":
+            self.live = True
+        elif kind == "silent":
+            self.live, self.reason = False, "silent"
+        elif kind == "partial":
+            self.synced, self.reason = False, "partial"
+        elif kind == "restart":
+            self.synced, self.live, self.agreeing, self.streak = True, True, True, []
+
+    def synced_from_start(self) -> None:
+        self.synced = self.live = True
+
+    def compare(self, agreed: bool) -> None:
+        """One answered request: did the prediction land within a block of what the engine reported?"""
+        self.streak = (self.streak + [agreed])[-AGREE_WINDOW:]
+        if len(self.streak) == AGREE_WINDOW and not any(self.streak):
+            self.agreeing, self.reason = False, "disagrees"
+        elif len(self.streak) == AGREE_WINDOW and all(self.streak):
+            self.agreeing = True
+            if not self.synced:  # a partial stream earns trust back by agreeing
+                self.synced = True
+
+
+class Matcher:
+    """Request -> what each replica holds, tokenized off the event loop."""
+
+    def __init__(self, tokenizer: PromptTokenizer, index: TokenIndex, host_credit: float):
+        self.tokenizer = tokenizer
+        self.index = index
+        self.host_credit = host_credit
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
+
+    async def held(self, route: str, body: dict) -> tuple[int, list[Held]]:
+        """(prompt tokens, per replica what it holds); raises ApiError when the request cannot be tokenized."""
+        sizes = sorted({s for s in self.index.block_size if s})
+        ids, chains = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenize, route, body, sizes)
+        return len(ids), self.index.held_chains(chains)
+
+    def _tokenize(self, route: str, body: dict, sizes: list[int]):
+        ids = self.tokenizer.prompt_ids(route, body)
+        return ids, {size: chain(ids, size) for size in sizes}
+
+    def shares(self, prompt_tokens: int, held: list[Held]) -> list[float]:
+        """Each replica's held share of the prompt, a host-tier token worth `host_credit` of a GPU one."""
+        if not prompt_tokens:
+            return [0.0] * len(held)
+        return [min((h.gpu_tokens + self.host_credit * h.host_tokens) / prompt_tokens, 1.0) for h in held]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseSettings:
+    events_endpoint: str | None     # RJ_KV_EVENTS_ENDPOINT: a template or list; None: the engine's /server_info
+    replay_endpoint: str | None     # RJ_KV_EVENTS_REPLAY_ENDPOINT
+    topic: str                      # RJ_KV_EVENTS_TOPIC: a prefix; "" takes every topic
+    silence_s: float                # RJ_KV_EVENTS_SILENCE_MS
+    discovery_timeout_s: float
+
+
+class PreciseMode:
+    """The engines' KV event streams -> the token index and each replica's trust; predictions checked."""
+
+    def __init__(self, replicas: list[Replica], fleet: Fleet, metrics: Metrics, matcher: Matcher,
+                 settings: PreciseSettings):
+        self.replicas = replicas
+        self.fleet = fleet
+        self.metrics = metrics
+        self.matcher = matcher
+        self.index = matcher.index
+        self.s = settings
+        self.trust = [Trust() for _ in replicas]
+        self._streams: list[EventStream] = []
+        self._gauges = [metrics.for_replica(r.labels) for r in replicas]
+
+    # --- routing ---------------------------------------------------------------------
+    async def match(self, route: str, body: dict) -> tuple[int, list[Held], list[float | None]] | None:
+        """(prompt tokens, what each replica holds, the share the router may use or None where not trusted).
+
+        None when the request cannot be tokenized as its engine would: it is routed approximately.
+        """
+        try:
+            prompt_tokens, held = await self.matcher.held(route, body)
+        except ApiError:
+            return None
+        shares = self.matcher.shares(prompt_tokens, held)
+        return prompt_tokens, held, [s if t.trusted else None for s, t in zip(shares, self.trust)]
+
+    def observe(self, i: int, predicted: int, approximate: int, reported: int) -> None:
+        """An answered request on replica i: the engine reported `reported` cached tokens."""
+        block = self.index.block_size[i] or 1
+        agreed = abs(predicted - reported) <= block
+        was = self.trust[i].trusted
+        self.trust[i].compare(agreed)
+        self.metrics.predictions.labels("precise", str(agreed).lower()).inc()
+        self.metrics.predictions.labels("approximate", str(abs(approximate - reported) <= block).lower()).inc()
+        self._mode_changed(i, was)
+
+    # --- streams ---------------------------------------------------------------------
+    async def run(self, upstream: Upstream) -> None:
+        """Discover every replica's publishers, then follow them all (until cancelled)."""
+        endpoints = await self._discover(upstream)
+        await asyncio.gather(*(self._follow(i, e) for i, e in enumerate(endpoints) if e is not None))
+
+    async def _discover(self, upstream: Upstream) -> list[Endpoints | None]:
+        infos: dict[str, object] = {}
+        out: list[Endpoints | None] = []
+        for i, r in enumerate(self.replicas):
+            rank = r.dp_rank or 0
+            try:
+                if self.s.events_endpoint:
+                    out.append(from_operator(self.s.events_endpoint, r.engine, rank, i, replay=self.s.replay_endpoint,
+                                             topic=self.s.topic))
+                    continue
+                if r.engine not in infos:
+                    infos[r.engine] = await self._server_info(upstream, r.engine)
+                found = from_server_info(infos[r.engine], r.engine, rank) if infos[r.engine] else None
+                if found is not None and self.s.replay_endpoint:
+                    found = replace(found, replay=from_operator(self.s.replay_endpoint, r.engine, rank, i).events)
+                out.append(found)
+            except ValueError as e:
+                log.warning("upstream %s: KV events: %s; it is routed approximately", r.ordinal, e)
+                out.append(None)
+            if out[-1] is None:
+                self.trust[i].reason = "no event publisher"
+        return out
+
+    async def _server_info(self, upstream: Upstream, engine: str) -> object:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                status, info = await upstream.get_json(engine + path, self.s.discovery_timeout_s)
+            except UpstreamFailure:
+                return None
+            if status == 200:
+                return info
+        return None
+
+    async def _follow(self, i: int, endpoints: Endpoints) -> None:
+        stream = EventStream(endpoints, silence_s=self.s.silence_s)
+        self._streams.append(stream)
+        labels = self.replicas[i].labels
+        try:
+            async for item in stream.items():
+                was = self.trust[i].trusted
+                if isinstance(item, StreamState):
+                    self.metrics.kv_stream_states.labels(*labels, item.kind).inc()
+                    if item.kind == "restart":  # the engine restarted: its caches are gone, for both indexes
+                        self.index.clear(i)
+                        self.fleet.cache_lost(i)
+                    self.trust[i].stream(item.kind)
+                else:
+                    self._apply(i, item)
+                if stream.complete and not self.trust[i].synced and self.trust[i].reason != "partial":
+                    self.trust[i].synced_from_start()
+                self._mode_changed(i, was)
+        finally:
+            stream.close()
+
+    def _apply(self, i: int, batch: Batch) -> None:
+        m, labels = self.metrics, self.replicas[i].labels
+        m.kv_batches.labels(*labels).inc()
+        m.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                self.index.stored(i, e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
+                                  e.lora_id, e.cache_salt, e.extra_keys, e.kv_cache_spec_kind)
+            elif isinstance(e, BlockRemoved):
+                self.index.removed(i, e.block_hashes, e.medium)
+            elif isinstance(e, AllBlocksCleared):
+                self.index.clear(i)
+            m.kv_events.labels(*labels, type(e).__name__).inc()
+        self.trust[i].live = True
+        for medium, tokens in self.index.resident_tokens(i).items():
+            m.kv_resident_tokens.labels(*labels, medium).set(tokens)
+
+    def _mode_changed(self, i: int, was: bool) -> None:
+        now = self.trust[i].trusted
+        self._gauges[i].kv_precise.set(1 if now else 0)
+        if now != was:
+            log.info("upstream %s routes %s%s", self.replicas[i].ordinal, "precisely" if now else "approximately",
+                     "" if now else f" ({self.trust[i].reason})")
+
+    def report(self, i: int) -> dict:
+        t = self.trust[i]
+        return {"mode": "precise" if t.trusted else "approximate", "reason": None if t.trusted else t.reason,
+                "blocks": self.index.size(i), "block_size": self.index.block_size[i]}
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.close()
+        self.matcher.close()

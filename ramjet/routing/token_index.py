@@ -1,0 +1,208 @@
+"""Which token blocks each replica really holds, and on which tier, as its engine reports them.
+
+Built from the engines' KV cache events (ramjet.kvevents), not guessed. Engines
+name blocks with their own hashes (their own algorithms and seeds), but every
+stored block carries its token ids, so the balancer hashes the tokens itself:
+block i of a chain is xxh3-64 of its token ids seeded with block i-1's hash
+(and the chain's first block with what else the engine's hash covers: LoRA,
+cache salt, per-block extra keys). A request's token ids, hashed the same way
+at each replica's block size, then walk this index like the approximate one.
+
+A block held only on a host tier (HiCache, CPU offload) counts separately: it
+saves most of a prefill, not all of it (the caller prices it).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import xxhash
+
+GPU = "GPU"
+HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
+_FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
+
+
+def chain_seed(lora_id: int | None = None, cache_salt: str | None = None) -> int:
+    """Where a chain starts: different adapters or salts never share blocks."""
+    if lora_id is None and cache_salt is None:
+        return 0
+    return xxhash.xxh3_64_intdigest(f"{lora_id}|{cache_salt}")
+
+
+def chain(ids: array, block_size: int, seed: int = 0, start: int = 0, parent: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `ids` from block `start` on (after `parent`, or from `seed`)."""
+    data = memoryview(ids).cast("B")
+    width = block_size * ids.itemsize
+    h = seed if parent is None else parent
+    out = []
+    digest = xxhash.xxh3_64_intdigest
+    for offset in range(start * width, (len(ids) // block_size) * width, width):
+        h = digest(data[offset:offset + width], h)
+        out.append(h)
+    return out
+
+
+@dataclass(slots=True)
+class Held:
+    """One replica's view of a request's prefix: leading tokens held on the GPU, then on a host tier."""
+
+    gpu_tokens: int = 0
+    host_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.gpu_tokens + self.host_tokens
+
+
+class TokenIndex:
+    def __init__(self, replicas: int):
+        self._n = replicas
+        self._ours: list[dict[int, int]] = [{} for _ in range(replicas)]      # engine hash -> our hash
+        self._media: list[dict[int, set[str]]] = [{} for _ in range(replicas)]  # our hash -> tiers holding it
+        self._gpu: dict[int, int] = {}   # our hash -> bitmask of replicas holding it on the GPU
+        self._host: dict[int, int] = {}  # our hash -> bitmask of replicas holding it on a host tier
+        self.block_size: list[int | None] = [None] * replicas
+        self._count: list[dict[str, int]] = [{} for _ in range(replicas)]  # blocks per tier, for metrics
+
+    def size(self, replica: int) -> int:
+        """Blocks the replica holds (any tier)."""
+        return len(self._media[replica])
+
+    def resident_tokens(self, replica: int) -> dict[str, int]:
+        """Tokens the replica holds per tier (GPU, CPU, CPU_PINNED, ...)."""
+        size = self.block_size[replica] or 0
+        return {medium: n * size for medium, n in self._count[replica].items()}
+
+    # --- events ----------------------------------------------------------------------
+    def stored(self, replica: int, block_hashes, parent: int | None, token_ids, block_size: int,
+               medium: str | None = GPU, lora_id: int | None = None, cache_salt: str | None = None,
+               extra_keys=None, kv_cache_spec_kind: str | None = None) -> bool:
+        """A BlockStored event; False when it cannot be placed (its parent is unknown, or another cache group)."""
+        if kv_cache_spec_kind not in _FULL_ATTENTION or not block_hashes:
+            return False
+        ours = self._ours[replica]
+        if parent is None:
+            prev = chain_seed(lora_id, cache_salt)
+        elif parent in ours:
+            prev = ours[parent]
+        else:
+            return False  # stored before we listened, or its parent was dropped: cannot be hashed into a chain
+        ids = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+        if len(ids) != block_size * len(block_hashes):
+            return False
+        self.block_size[replica] = block_size
+        hashes = chain(ids, block_size, parent=prev)
+        for i, (theirs, h) in enumerate(zip(block_hashes, hashes)):
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            if extra is not None:  # e.g. an image's hash: our hash must differ from a text block's
+                h = xxhash.xxh3_64_intdigest(repr(extra), h)
+                hashes[i] = h
+            ours[theirs] = h
+            self._add(replica, h, medium or GPU)
+        return True
+
+    def removed(self, replica: int, block_hashes, medium: str | None = None) -> None:
+        """A BlockRemoved event: gone from `medium` (every tier when the engine does not say)."""
+        ours = self._ours[replica]
+        for theirs in block_hashes:
+            h = ours.get(theirs)
+            if h is None:
+                continue
+            media = self._media[replica].get(h, set())
+            for m in ([medium] if medium else list(media)):
+                self._drop(replica, h, m)
+            if h not in self._media[replica]:
+                del ours[theirs]
+
+    def clear(self, replica: int) -> None:
+        """AllBlocksCleared, a restart, or a stream we no longer trust: the replica holds nothing we know of."""
+        bit = 1 << replica
+        for h in self._media[replica]:
+            for table in (self._gpu, self._host):
+                left = table.get(h, 0) & ~bit
+                if left:
+                    table[h] = left
+                else:
+                    table.pop(h, None)
+        self._media[replica].clear()
+        self._ours[replica].clear()
+        self._count[replica] = {m: 0 for m in self._count[replica]}
+
+    # --- matching ----------------------------------------------------------------------
+    def held(self, ids: array) -> list[Held]:
+        """Per replica, the leading tokens of `ids` it holds on the GPU, then on a host tier."""
+        return self.held_chains({size: chain(ids, size) for size in set(self.block_size) if size})
+
+    def held_chains(self, chains: dict[int, list[int]]) -> list[Held]:
+        """The same, from a request's chains already hashed at each block size (`chain`, off the event loop)."""
+        out = [Held() for _ in range(self._n)]
+        by_size: dict[int, int] = {}
+        for r, size in enumerate(self.block_size):
+            if size:
+                by_size[size] = by_size.get(size, 0) | (1 << r)
+        for size, group in by_size.items():
+            if size in chains:
+                self._walk(chains[size], size, group, out)
+        return out
+
+    def _walk(self, hashes: list[int], size: int, alive: int, out: list[Held]) -> None:
+        """One pass along the chain: where each replica's run ends, and which of its blocks are on a host tier."""
+        gpu_table, host_table = self._gpu, self._host
+        depth_of: dict[int, int] = {}
+        host_blocks: dict[int, int] = {}
+        depth = 0
+        for depth, h in enumerate(hashes):
+            gpu = gpu_table.get(h, 0) & alive
+            host = host_table.get(h, 0) & alive & ~gpu
+            still = gpu | host
+            dropped = alive & ~still
+            while dropped:
+                low = dropped & -dropped
+                depth_of[low.bit_length() - 1] = depth
+                dropped ^= low
+            while host:  # rare without a host tier
+                low = host & -host
+                r = low.bit_length() - 1
+                host_blocks[r] = host_blocks.get(r, 0) + 1
+                host ^= low
+            alive = still
+            if not alive:
+                break
+        else:
+            depth = len(hashes)
+        while alive:  # replicas that hold the whole chain
+            low = alive & -alive
+            depth_of[low.bit_length() - 1] = depth
+            alive ^= low
+        for r, d in depth_of.items():
+            on_host = host_blocks.get(r, 0)
+            out[r].gpu_tokens += (d - on_host) * size
+            out[r].host_tokens += on_host * size
+
+    # --- bookkeeping ---------------------------------------------------------------------
+    def _add(self, replica: int, h: int, medium: str) -> None:
+        media = self._media[replica].setdefault(h, set())
+        if medium not in media:
+            media.add(medium)
+            self._count[replica][medium] = self._count[replica].get(medium, 0) + 1
+        table = self._gpu if medium == GPU else self._host if medium in HOST_MEDIA else None
+        if table is not None:
+            table[h] = table.get(h, 0) | (1 << replica)
+
+    def _drop(self, replica: int, h: int, medium: str) -> None:
+        media = self._media[replica].get(h)
+        if not media or medium not in media:
+            return
+        media.discard(medium)
+        self._count[replica][medium] -= 1
+        if not media:
+            del self._media[replica][h]
+        if medium == GPU or medium in HOST_MEDIA and not (media & HOST_MEDIA):
+            table = self._gpu if medium == GPU else self._host
+            left = table.get(h, 0) & ~(1 << replica)
+            if left:
+                table[h] = left
+            else:
+                table.pop(h, None)
