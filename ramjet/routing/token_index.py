@@ -28,7 +28,7 @@ def chain_seed(lora_id: int | None = None, cache_salt: str | None = None) -> int
     """Where a chain starts: different adapters or salts never share blocks."""
     if lora_id is None and cache_salt is None:
         return 0
-    return xxhash.xxh3_64_intdigest(f"{lora_id}|{cache_salt}")
+    return xxhash.xxh3_64_intdigest(f"{lora_id}|{cache_salt}".encode())
 
 
 def chain(ids: array, block_size: int, seed: int = 0, start: int = 0, parent: int | None = None) -> list[int]:
@@ -93,15 +93,26 @@ class TokenIndex:
         if len(ids) != block_size * len(block_hashes):
             return False
         self.block_size[replica] = block_size
-        hashes = chain(ids, block_size, parent=prev)
-        for i, (theirs, h) in enumerate(zip(block_hashes, hashes)):
-            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
-            if extra is not None:  # e.g. an image's hash: our hash must differ from a text block's
-                h = xxhash.xxh3_64_intdigest(repr(extra), h)
-                hashes[i] = h
+        if extra_keys and any(k is not None for k in extra_keys):
+            hashes = self._with_extra(ids, block_size, prev, extra_keys)
+        else:
+            hashes = chain(ids, block_size, parent=prev)
+        for theirs, h in zip(block_hashes, hashes):
             ours[theirs] = h
             self._add(replica, h, medium or GPU)
         return True
+
+    @staticmethod
+    def _with_extra(ids: array, block_size: int, prev: int, extra_keys) -> list[int]:
+        """Block by block, a block's extra keys (e.g. an image's hash) mixed in: a text request never matches it."""
+        out = []
+        for i in range(len(ids) // block_size):
+            prev = chain(ids[i * block_size:(i + 1) * block_size], block_size, parent=prev)[0]
+            extra = extra_keys[i] if i < len(extra_keys) else None
+            if extra is not None:
+                prev = xxhash.xxh3_64_intdigest(repr(extra).encode(), prev)
+            out.append(prev)
+        return out
 
     def removed(self, replica: int, block_hashes, medium: str | None = None) -> None:
         """A BlockRemoved event: gone from `medium` (every tier when the engine does not say)."""

@@ -1,0 +1,254 @@
+"""The real engine: vLLM on the CPU with DP 2 and KV cache events (issue 13, Build 5).
+
+Everything else tests against the simulator; this checks the simulator's model of an engine
+against a real one: rank pinning with `X-Data-Parallel-Rank`, `cached_tokens` growing as
+turns extend each other, and the KV events each rank publishes (port + rank), live and
+replayed, whose token ids are the rendered prompt's. A router that indexes those events
+must predict `cached_tokens` exactly; the test checks that too.
+
+Slow: it sets up the engine if needed (scripts/real_vllm.py setup, about two minutes from
+nothing) and starts it (about one). It skips only when this machine cannot install vLLM
+(no package index, no CPU torch wheel on disk), and says so loudly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ramjet.demo import procs
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("real_vllm", ROOT / "scripts" / "real_vllm.py")
+real_vllm = importlib.util.module_from_spec(_spec)
+sys.modules["real_vllm"] = real_vllm  # dataclasses look their module up there
+_spec.loader.exec_module(real_vllm)
+
+ENGINE_DIR = Path(os.environ.get("RAMJET_REAL_VLLM_DIR", real_vllm.DEFAULT_DIR))
+BS = real_vllm.BLOCK_SIZE
+TURNS = 4
+WORDS = ("cache prefix block token rank engine router session turn replica event index hash "
+         "memory answer question build test value state request stream").split()
+
+
+def user_text(session: int, turn: int) -> str:
+    """A user turn (about 150 tokens first, 60 later); sessions differ from their first words on."""
+    rng = random.Random(1000 * session + turn)
+    n = 110 if turn == 0 else 45
+    return f"Session {session}, turn {turn}: " + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def port_pair(taken: set[int]) -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 and neither in `taken` (rank r uses p + r)."""
+    for _ in range(100):
+        p = procs.free_port()
+        if p + 1 > 65535 or {p, p + 1} & taken:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+        except OSError:
+            continue
+        taken.update({p, p + 1})
+        return p
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
+class RankEvents:
+    """What one rank's publisher said: frames in order, and the token prefixes it holds.
+
+    `prefixes` maps each resident block's hash to the tokens from its chain's root through
+    it, computed from the events' own token ids: what a precise router would index.
+    """
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.frames: list[tuple[int, bytes]] = []
+        self.types: dict[str, int] = {}
+        self.prefix_of: dict[int, tuple[int, ...]] = {}
+        self.resident: set[tuple[int, ...]] = set()
+
+    def add(self, frames: list[bytes]) -> None:
+        import msgpack
+        assert len(frames) == 3, f"rank {self.rank}: a live message has {len(frames)} frames"
+        topic, seq_bytes, payload = frames
+        assert topic == b"kv" and len(seq_bytes) == 8
+        self.frames.append((int.from_bytes(seq_bytes, "big"), payload))
+        ts, events, rank = msgpack.unpackb(payload)
+        assert isinstance(ts, float) and rank == self.rank, (ts, rank)
+        for ev in events:
+            kind = ev["type"]
+            self.types[kind] = self.types.get(kind, 0) + 1
+            if kind == "BlockStored":
+                hashes, tokens = ev["block_hashes"], ev["token_ids"]
+                assert ev["block_size"] == BS and len(tokens) == BS * len(hashes), ev
+                assert ev["medium"] == "GPU" and ev["lora_id"] is None, ev
+                prefix = self.prefix_of.get(ev["parent_block_hash"], ()) if ev["parent_block_hash"] else ()
+                for i, h in enumerate(hashes):
+                    prefix = prefix + tuple(tokens[i * BS:(i + 1) * BS])
+                    self.prefix_of[h] = prefix
+                    self.resident.add(prefix)
+            elif kind == "BlockRemoved":
+                for h in ev["block_hashes"]:
+                    self.resident.discard(self.prefix_of.pop(h, None))
+            elif kind == "AllBlocksCleared":
+                self.prefix_of.clear()
+                self.resident.clear()
+
+    def overlap(self, ids: list[int]) -> int:
+        """Tokens of `ids` the events say are cached, as the engine counts them (whole blocks,
+        and never the last prompt token, which it must compute)."""
+        m = 0
+        while BS * (m + 1) <= len(ids) and tuple(ids[:BS * (m + 1)]) in self.resident:
+            m += 1
+        return min(BS * m, (len(ids) - 1) // BS * BS)
+
+
+def drain(sub, events: RankEvents, until=lambda: True, timeout: float = 15.0, quiet: float = 0.3) -> None:
+    """Read `sub` until `until()` holds and it has been quiet for `quiet` s, or fail at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sub.poll(int(quiet * 1000)):
+            events.add(sub.recv_multipart())
+        elif until():
+            return
+    assert until(), f"rank {events.rank}: the expected BlockStored events did not arrive in {timeout:.0f}s"
+
+
+def replay(ctx, port: int, start: int = 0, timeout: float = 10.0) -> list[tuple[int, bytes]]:
+    """Ask a replay endpoint (ROUTER) for every buffered batch from `start`, as a DEALER."""
+    import zmq
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    out: list[tuple[int, bytes]] = []
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert dealer.poll(int(timeout * 1000)), f"replay endpoint {port} did not answer"
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            seq_n = int.from_bytes(seq, "big", signed=True)
+            if seq_n == -1:
+                assert topic == b"" and payload == b""
+                return out
+            assert topic == b"kv"
+            out.append((seq_n, payload))
+        raise AssertionError(f"replay endpoint {port} never sent its end marker")
+    finally:
+        dealer.close()
+
+
+def loud_skip(reason: str) -> None:
+    msg = f"REAL-ENGINE TEST NOT RUN: this machine cannot install vLLM ({reason})"
+    print("\n" + "!" * 78 + f"\n{msg}\n" + "!" * 78, file=sys.stderr, flush=True)
+    warnings.warn(msg)
+    pytest.skip(msg)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
+    import zmq  # pyzmq and msgpack: the project's own dependencies for precise mode
+
+    t0 = time.monotonic()
+    try:
+        real_vllm.setup(ENGINE_DIR)
+    except real_vllm.CannotInstall as e:
+        loud_skip(str(e).splitlines()[0])
+    setup_s = time.monotonic() - t0
+
+    taken: set[int] = set()
+    http_port = procs.free_port()
+    taken.add(http_port)
+    kv_port, replay_port = port_pair(taken), port_pair(taken)
+
+    # vLLM binds a publisher only for a wildcard endpoint; to tcp://127.0.0.1:PORT it
+    # connects. So the subscriber binds, before the engine starts, and sees every batch.
+    ctx = zmq.Context()
+    subs, monitors, ranks = [], [], [RankEvents(0), RankEvents(1)]
+    try:
+        for r in (0, 1):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            monitors.append(sub.get_monitor_socket(zmq.EVENT_ACCEPTED))
+            sub.bind(f"tcp://127.0.0.1:{kv_port + r}")
+            sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+            subs.append(sub)
+
+        with real_vllm.running_vllm(http_port, kv_port, replay_port, tmp_path / "vllm.log",
+                                    root=ENGINE_DIR, timeout=180) as eng:
+            for r, mon in enumerate(monitors):
+                assert mon.poll(10_000), f"rank {r}'s publisher never connected to 127.0.0.1:{kv_port + r}"
+            time.sleep(0.3)  # the subscription reaches the publisher just after the connection
+            rows = run_sessions(eng, subs, ranks)
+            replays = [replay(ctx, replay_port + r) for r in (0, 1)]
+        total_s = time.monotonic() - t0
+    finally:
+        for s in subs + monitors:
+            s.close(linger=0)
+        ctx.term()
+
+    print(f"\nreal vLLM: setup {setup_s:.1f}s, engine start {eng.start_seconds:.1f}s, whole test {total_s:.1f}s")
+    for rank, turn, prompt, cached, predicted, stored in rows:
+        print(f"  rank {rank} turn {turn}: prompt_tokens {prompt}, cached_tokens {cached}, "
+              f"predicted from events {predicted}, blocks stored so far {stored}")
+    for ev in ranks:
+        print(f"  rank {ev.rank}: batches {[s for s, _ in ev.frames]}, event types {ev.types}")
+
+    for r, turn, prompt, cached, predicted, _ in rows:
+        prev = [row for row in rows if row[0] == r and row[1] == turn - 1]
+        assert cached % BS == 0 and cached < prompt, rows
+        if not prev:
+            assert cached == 0, f"rank {r}: a new session found {cached} cached tokens"
+        else:  # the whole previous prompt, in whole blocks, is a prefix of this one
+            assert cached >= prev[0][2] // BS * BS and cached > prev[0][3], rows
+        assert cached == predicted, f"rank {r} turn {turn}: engine cached {cached}, the events say {predicted}"
+    for ev, rep in zip(ranks, replays):
+        seqs = [s for s, _ in ev.frames]
+        assert seqs == list(range(len(seqs))), f"rank {ev.rank}: live sequence numbers {seqs}"
+        assert rep == ev.frames, f"rank {ev.rank}: the replay differs from what was published live"
+    # Each session's blocks are on its own rank only: the header pinned every turn.
+    for s, ev in enumerate(ranks):
+        other = ranks[1 - s]
+        first_block = next(p for p in ev.resident if len(p) == BS)
+        assert first_block not in other.resident, f"session {s}'s first block is on both ranks"
+
+
+def run_sessions(eng, subs, ranks) -> list[tuple]:
+    """Two sessions, session r pinned to rank r, TURNS turns each; returns one row per turn."""
+    rows = []
+    history: list[list[dict]] = [[], []]
+    with httpx.Client(base_url=eng.url, timeout=60) as client:
+        for turn in range(TURNS):
+            for r in (0, 1):
+                messages = history[r] + [{"role": "user", "content": user_text(r, turn)}]
+                tok = client.post("/tokenize", json={"model": eng.model, "messages": messages,
+                                                    "add_generation_prompt": True})
+                assert tok.status_code == 200, tok.text
+                ids = tok.json()["tokens"]
+                drain(subs[r], ranks[r], timeout=2, quiet=0.2)  # late blocks of the last answer
+                predicted = ranks[r].overlap(ids)
+                resp = client.post("/v1/chat/completions", headers={"X-Data-Parallel-Rank": str(r)}, json={
+                    "model": eng.model, "messages": messages, "max_tokens": 24, "temperature": 0})
+                assert resp.status_code == 200, resp.text
+                body = resp.json()
+                usage = body["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+                assert usage["prompt_tokens"] == len(ids), (usage, len(ids))
+                full = len(ids) // BS * BS
+                drain(subs[r], ranks[r], until=lambda want=tuple(ids[:full]), ev=ranks[r]: want in ev.resident)
+                rows.append((r, turn, len(ids), cached, predicted, len(ranks[r].prefix_of)))
+                history[r] = messages + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
+    return rows

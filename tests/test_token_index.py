@@ -1,0 +1,111 @@
+"""The token index built from KV events, and the trust rules of precise mode: pure, no sockets."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+from ramjet.balancer.precise import AGREE_WINDOW, Trust
+from ramjet.routing.token_index import TokenIndex, chain, chain_seed
+
+BS = 4
+
+
+def tokens(n: int, seed: int = 1) -> array:
+    rng = random.Random(seed)
+    return array("I", (rng.randrange(50_000) for _ in range(n)))
+
+
+def store(index: TokenIndex, replica: int, ids: array, first: int, count: int, medium: str = "GPU",
+          engine=lambda b: 1000 + b, **extra) -> bool:
+    """Blocks first..first+count of `ids`, named as an engine would (its own hashes), after their parent."""
+    blocks = list(range(first, first + count))
+    return index.stored(replica, [engine(b) for b in blocks], engine(first - 1) if first else None,
+                        ids[first * BS:(first + count) * BS], BS, medium, **extra)
+
+
+def test_a_request_matches_what_each_replica_stored_whatever_the_engines_hashes():
+    ids = tokens(40)
+    index = TokenIndex(3)
+    assert store(index, 0, ids, 0, 6)                       # a 6-block prefix, in one batch
+    assert store(index, 1, ids, 0, 2, engine=lambda b: 7 * b + 99)  # another engine names blocks differently
+    assert store(index, 1, ids, 2, 2, engine=lambda b: 7 * b + 99)  # continued in a second batch
+    held = index.held(ids)
+    assert [h.gpu_tokens for h in held] == [24, 16, 0] and all(h.host_tokens == 0 for h in held)
+    other = array("I", ids[:8]) + tokens(32, seed=2)  # shares two blocks only
+    assert [h.gpu_tokens for h in index.held(other)] == [8, 8, 0]
+
+
+def test_a_block_whose_parent_is_unknown_is_not_placed():
+    ids = tokens(20)
+    index = TokenIndex(1)
+    assert not store(index, 0, ids, 2, 2)  # stored before we listened: cannot be chained
+    assert index.held(ids)[0].tokens == 0 and index.size(0) == 0
+
+
+def test_removal_and_host_tier():
+    ids = tokens(24)
+    index = TokenIndex(1)
+    store(index, 0, ids, 0, 6)
+    index.removed(0, [1004, 1005], "GPU")                        # evicted from the GPU...
+    assert index.held(ids)[0].gpu_tokens == 16
+    store(index, 0, ids, 4, 2, medium="CPU_PINNED")              # ...and offloaded to host memory
+    held = index.held(ids)[0]
+    assert (held.gpu_tokens, held.host_tokens) == (16, 8)
+    assert index.resident_tokens(0) == {"GPU": 16, "CPU_PINNED": 8}
+    index.removed(0, [1002])                                     # no medium: gone from every tier
+    assert index.held(ids)[0].tokens == 8
+    index.clear(0)
+    assert index.held(ids)[0].tokens == 0 and index.size(0) == 0
+
+
+def test_adapters_salts_and_extra_keys_keep_chains_apart():
+    ids = tokens(8)
+    index = TokenIndex(3)
+    store(index, 0, ids, 0, 2)
+    store(index, 1, ids, 0, 2, lora_id=3)
+    store(index, 2, ids, 0, 2, extra_keys=[("image", "abc"), None])
+    assert [h.gpu_tokens for h in index.held(ids)] == [8, 0, 0]
+    assert chain(ids, BS, chain_seed(3)) != chain(ids, BS)
+
+
+def test_other_cache_groups_and_misshaped_events_are_ignored():
+    ids = tokens(8)
+    index = TokenIndex(1)
+    assert not store(index, 0, ids, 0, 2, kv_cache_spec_kind="sliding_window")
+    assert not index.stored(0, [1, 2], None, ids[:5], BS)  # token ids do not fill the blocks
+    assert index.size(0) == 0
+
+
+def test_replicas_with_different_block_sizes_are_matched_at_their_own():
+    ids = tokens(64)
+    index = TokenIndex(2)
+    store(index, 0, ids, 0, 8)                                     # 4-token blocks: 32 tokens
+    index.stored(1, [5, 6], None, ids[:32], 16)                    # 16-token blocks: 32 tokens
+    assert [h.gpu_tokens for h in index.held(ids)] == [32, 32]
+
+
+def test_trust_follows_the_stream_and_the_engines_reports():
+    t = Trust()
+    assert not t.trusted and t.reason == "starting"
+    t.synced_from_start()
+    assert t.trusted
+    t.stream("silent")
+    assert not t.trusted and t.reason == "silent"
+    t.stream("live")
+    assert t.trusted
+    for _ in range(AGREE_WINDOW - 1):
+        t.compare(False)
+    assert t.trusted  # a miss or two is noise
+    t.compare(False)
+    assert not t.trusted and t.reason == "disagrees"
+    for _ in range(AGREE_WINDOW):
+        t.compare(True)
+    assert t.trusted
+    t.stream("partial")
+    assert not t.trusted and t.reason == "partial"
+    for _ in range(AGREE_WINDOW):
+        t.compare(True)
+    assert t.trusted  # a partial stream earns trust back by agreeing
+    t.stream("restart")
+    assert t.trusted  # a restart is an exactly known state: empty
