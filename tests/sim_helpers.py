@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 
 import httpx
@@ -10,6 +11,7 @@ import orjson
 
 from ramjet.sim.config import SimConfig
 from ramjet.sim.server import build_app
+from ramjet.sim.tokens import load_tokenizer
 
 
 @contextlib.asynccontextmanager
@@ -22,9 +24,18 @@ async def sim_client(**settings):
             yield client, app.state.engine
 
 
+@functools.lru_cache(maxsize=1)
+def _words() -> list[str]:
+    """Words of the shipped tokenizer that are one token each, with their leading space."""
+    tok = load_tokenizer()
+    words = [tok.decode([i]) for i in range(tok.vocab_size)]
+    return sorted(w for w in words if len(w) > 3 and w[0] == " " and w[1:].isalpha() and w[1:].islower()
+                  and len(tok.encode(w)) == 1)
+
+
 def filler(tokens: int, seed: int) -> str:
-    """Text of about `tokens` stand-in tokens (4 bytes each), distinct per seed."""
-    return random.Random(seed).randbytes(tokens * 2).hex()
+    """Prose-like text of exactly `tokens` tokens of the shipped tokenizer (one word each), distinct per seed."""
+    return "".join(random.Random(seed).choices(_words(), k=tokens))
 
 
 def chat(content: str = "hello", **extra) -> dict:

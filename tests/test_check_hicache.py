@@ -14,7 +14,7 @@ import re
 
 import httpx
 import pytest
-from sim_helpers import chat, sim_client, sse_events
+from sim_helpers import chat, filler, sim_client, sse_events
 
 from ramjet.ops import check_hicache
 from ramjet.ops.check_hicache import EXIT_ERROR, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_PASS, Checker, Options, _classify
@@ -60,7 +60,9 @@ async def test_host_tier_too_small_means_recomputed_and_inconclusive():
 
 async def test_prompt_still_on_the_gpu_after_every_round_is_inconclusive():
     opts = Options(prompt_tokens=1500, seed=7, flood_tokens=64, rounds=2)
-    rc, out, _ = await run_check(opts, hicache_tokens_per_rank=16_384)
+    # one flood prompt is half the pool in the probe's 4-characters-a-token estimate; its file-path-heavy text
+    # is ~2.9 bytes a token in the simulator's tokenizer, so the pool must hold ~2,500 pinned + ~0.7 of itself
+    rc, out, _ = await run_check(opts, hicache_tokens_per_rank=16_384, kv_tokens_per_rank=12_288)
     assert rc == EXIT_INCONCLUSIVE
     assert out.count("still in GPU memory") == 2 and "pass a larger --flood-tokens" in out
 
@@ -107,10 +109,10 @@ def test_cli_bad_input(capsys):
 
 async def test_sim_reports_tiers_in_sglext_and_meta_info():
     async with sim_client(kv_tokens_per_rank=2048, hicache_tokens_per_rank=8192, dp_size=1) as (c, _):
-        body = chat("x" * 4000, max_tokens=1, routed_dp_rank=0, return_cached_tokens_details=True)
+        body = chat(filler(1000, 1), max_tokens=1, routed_dp_rank=0, return_cached_tokens_details=True)
         cold = (await c.post("/v1/chat/completions", json=body)).json()
         assert "sglext" not in cold  # nothing cached: SGLang sends no details either
-        await c.post("/v1/chat/completions", json=chat("y" * 7900, max_tokens=1))  # evicts the first to host
+        await c.post("/v1/chat/completions", json=chat(filler(1990, 2), max_tokens=1))  # evicts the first to host
         warm = (await c.post("/v1/chat/completions", json=body)).json()
         details = warm["sglext"]["cached_tokens_details"]
         assert set(details) == {"device", "host"} and details["host"] > 900 and details["device"] == 0
@@ -120,7 +122,7 @@ async def test_sim_reports_tiers_in_sglext_and_meta_info():
         assert len(ext) == 1 and ext[0]["choices"] == [] and ext[0]["sglext"]["cached_tokens_details"]["device"] > 0
         unasked = (await c.post("/v1/chat/completions", json={**body, "return_cached_tokens_details": False})).json()
         assert unasked["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 and "sglext" not in unasked
-        gen_body = {"text": "z" * 4000, "sampling_params": {"max_new_tokens": 1}, "return_cached_tokens_details": True}
+        gen_body = {"text": filler(1000, 3), "sampling_params": {"max_new_tokens": 1}, "return_cached_tokens_details": True}
         gen = (await c.post("/generate", json=gen_body)).json()
         assert "cached_tokens_details" not in gen["meta_info"]
         gen = (await c.post("/generate", json=gen_body)).json()

@@ -1,7 +1,9 @@
 """Unit tests of the simulator's prompt model and prefix caches."""
 
+from array import array
+
 from ramjet.sim.cache import IdealCache, PrefixCache
-from ramjet.sim.tokens import render_chat, tokenize
+from ramjet.sim.tokens import load_tokenizer, make_prompt, page_hashes
 
 PAGE = 4  # tokens per page in these tests
 
@@ -12,46 +14,53 @@ def pages(*names: int) -> list[int]:
 
 # --- tokens ----------------------------------------------------------------------------------------
 
-def test_token_count_is_four_bytes_per_token_and_last_token_is_never_a_cached_page():
-    p = tokenize(b"x" * 40, PAGE)  # 10 tokens: pages [0,4) and [4,8) are full and exclude the last token
-    assert p.tokens == 10 and len(p.hashes) == 2
-    assert tokenize(b"x" * 33, PAGE).tokens == 9
-    assert len(tokenize(b"x" * 32, PAGE).hashes) == 1  # 8 tokens: the page holding token 8 is not hashed
+def test_pages_are_full_pages_of_token_ids_and_the_last_token_is_never_served_from_cache():
+    p = make_prompt(array("I", range(10)), PAGE)  # pages [0,4) and [4,8) are full; 8, 9 are a partial page
+    assert p.tokens == 10 and len(p.hashes) == 2 and p.matchable_pages(PAGE) == 2
+    exact = make_prompt(array("I", range(8)), PAGE)  # two full pages, but the second holds the last token
+    assert len(exact.hashes) == 2 and exact.matchable_pages(PAGE) == 1
+    assert exact.hashes == p.hashes  # the same ids page by page: the same names
 
 
 def test_page_hashes_are_chained_so_appending_keeps_the_prefix():
-    a = tokenize(b"a" * 64 + b"b" * 64, PAGE)
-    b = tokenize(b"a" * 64 + b"b" * 64 + b"c" * 64, PAGE)
+    a = make_prompt(array("I", [1] * 16 + [2] * 16), PAGE)
+    b = make_prompt(array("I", [1] * 16 + [2] * 16 + [3] * 16), PAGE)
     assert b.hashes[:len(a.hashes)] == a.hashes
-    c = tokenize(b"z" + b"a" * 63 + b"b" * 64, PAGE)  # first page differs: every later hash differs
+    c = make_prompt(array("I", [9] + [1] * 15 + [2] * 16), PAGE)  # first page differs: every later hash differs
     assert not set(c.hashes) & set(a.hashes)
-    assert tokenize(b"a" * 64 + b"b" * 64, PAGE) == a  # deterministic
+    assert make_prompt(array("I", [1] * 16 + [2] * 16), PAGE) == a  # deterministic
+    assert page_hashes(b.ids, PAGE, start=len(a.hashes), parent=a.hashes[-1]) == b.hashes[len(a.hashes):]
 
 
 def test_chat_rendering_is_prefix_stable_across_turns_and_ignores_non_prompt_fields():
+    render = load_tokenizer().render
     turn1 = {"messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
              "tools": [{"type": "function", "function": {"name": "ls"}}], "max_tokens": 5}
     reply = {"role": "assistant", "content": "ok", "tool_calls": [{"id": "c1", "type": "function",
                                                                    "function": {"name": "ls", "arguments": "{}"}}]}
     tool = {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.txt"}]}
     turn2 = {**turn1, "messages": [*turn1["messages"], reply, tool], "temperature": 0.3, "stream": True}
-    r1, r2 = render_chat(turn1), render_chat(turn2)
+    r1, r2 = render(turn1), render(turn2)
     assert r2.startswith(r1)
-    assert render_chat({**turn1, "max_tokens": 99, "stream": True}) == r1
-    assert render_chat({**turn1, "tools": []}) != r1
-    assert b"a.txt" in r2 and b"c1" in r2
+    assert render({**turn1, "max_tokens": 99, "stream": True}) == r1
+    assert render({**turn1, "tools": []}) != r1
+    assert "a.txt" in r2 and '"name": "ls"' in r2
 
 
 def test_a_500kb_prompt_is_tokenized_whole_and_chained():
-    """A prompt as large as an agent's sends (512 KB): counted and hashed to the end (speed is a benchmark's job)."""
-    data = bytes(range(256)) * 2000  # 512 KB
-    p = tokenize(data, 64)
-    assert p.tokens == len(data) // 4 and len(p.hashes) == (p.tokens - 1) // 64
-    edited = bytearray(data)
-    edited[300_000] ^= 1  # one byte in page 1171 (256 bytes a page)
-    q = tokenize(bytes(edited), 64)
-    assert q.hashes[:1171] == p.hashes[:1171]  # the pages before the edit are still a cached prefix
-    assert not set(q.hashes[1171:]) & set(p.hashes)  # from the edited page on, nothing matches
+    """A prompt as large as an agent's sends (512 KB): tokenized to the end, exactly as the library does it
+    in one piece, and hashed to the end (speed is measured in tests/test_sim_kv_events.py)."""
+    tok = load_tokenizer()
+    text = "".join(f"line {i}: the cache keeps {i * 7 % 1000} pages\n" + "\n" * (i % 3) for i in range(13_500))
+    ids = tok.encode(text)
+    assert list(ids) == tok.hf.encode(text, add_special_tokens=False).ids and len(text) > 500_000
+    p = make_prompt(ids, 64)
+    assert len(p.hashes) == p.tokens // 64
+    edited = tok.encode(text[:300_000] + "X" + text[300_001:])
+    q = make_prompt(edited, 64)
+    first = next(i for i, (a, b) in enumerate(zip(ids, edited)) if a != b) // 64
+    assert q.hashes[:first] == p.hashes[:first]  # the pages before the edit are still a cached prefix
+    assert not set(q.hashes[first:]) & set(p.hashes)  # from the edited page on, nothing matches
 
 
 # --- per-rank prefix cache --------------------------------------------------------------------------

@@ -11,12 +11,13 @@ real time. Waits are on conditions, bounded in simulated seconds.
 import asyncio
 import contextlib
 import selectors
+from array import array
 
 import pytest
 
 from ramjet.sim.config import SLOW_FACTOR, SimConfig
 from ramjet.sim.engine import DECODE_TICK_S, Engine
-from ramjet.sim.tokens import tokenize
+from ramjet.sim.tokens import make_prompt
 
 BOUND_S = 30.0  # simulated seconds a wait may take before the test is declared hung
 
@@ -65,7 +66,8 @@ async def running_engine(**settings):
 
 
 def prompt(tokens: int, seed: int = 0, page: int = 64):
-    return tokenize(bytes([seed % 256]) * (tokens * 4), page)
+    """`tokens` token ids, all `seed`: two seeds share no page."""
+    return make_prompt(array("I", [seed] * tokens), page)
 
 
 async def finish(req, timeout: float = BOUND_S):

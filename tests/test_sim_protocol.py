@@ -101,7 +101,7 @@ def test_limits_and_defaults_per_api():
                             None, DP, "m")
     assert (chat.max_tokens, chat.stream, chat.include_usage, chat.model) == (7, True, True, "m")
     completion = parse_generation("completion", {"prompt": [[1, 2, 3]]}, "/v1/completions", None, DP, "m")
-    assert completion.max_tokens == 16 and len(completion.prompt) == 12
+    assert completion.max_tokens == 16 and completion.prompt == [1, 2, 3]  # a batch of one, ids as given
     gen = parse_generation("generate", {"text": "hi", "sampling_params": {"min_new_tokens": 3, "ignore_eos": True},
                                         "routed_dp_rank": 2}, "/generate", "5", DP, "m")
     assert (gen.max_tokens, gen.min_tokens, gen.ignore_eos, gen.rank) == (128, 3, True, 2)

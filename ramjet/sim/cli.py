@@ -47,6 +47,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add this header to every answer (test hook: a hostile or misconfigured engine)")
     p.add_argument("--poison-text", default=None, metavar="TEXT",
                    help="answer 500 on every rank to any prompt containing TEXT (test hook: a query of death)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a Hugging Face tokenizer directory (tokenizer.json, chat template) instead of the shipped one")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV cache events, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5657"}\' (vLLM format also needs "enable_kv_cache_events": true)')
+    p.add_argument("--kv-events-format", default="sglang", choices=["sglang", "vllm"],
+                   help="whose wire format the events follow (default sglang)")
+    p.add_argument("--load-publish-endpoint", default=None, metavar="auto|off|tcp://HOST:PORT",
+                   help="SGLang's per-rank load publisher (needs --kv-events-config)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -63,7 +72,8 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> SimConfig:
         not in ("0", "false", "no", "off"),
         health_timeout_s=float(environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")),
         faults=dict(args.fault), response_headers=dict(_header(h) for h in args.response_header),
-        poison_text=args.poison_text,
+        poison_text=args.poison_text, tokenizer_dir=args.tokenizer, kv_events_config=args.kv_events_config,
+        kv_events_format=args.kv_events_format, load_publish_endpoint=args.load_publish_endpoint,
     )
 
 
@@ -82,10 +92,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except ValueError as e:
+        app = build_app(config)  # loads the tokenizer directory
+    except (OSError, ValueError) as e:
         logging.getLogger("ramjet.sim").error("bad settings: %s", e)
         return 2
-    uvicorn.run(build_app(config), host=args.host, port=args.port, loop="uvloop", http="httptools",
+    uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
                 timeout_keep_alive=config.idle_keepalive_s, access_log=False, log_level=args.log_level,
                 lifespan="on")
     return 0

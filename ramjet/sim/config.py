@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ramjet.sim.kv_wire import FORMATS, KVEventsConfig, parse_config, tcp_port
+
 VERSION = "0.5.20"
 FAULT_MODES = ("none", "wedge", "error", "slow")
 SLOW_FACTOR = 10.0
@@ -36,9 +38,27 @@ class SimConfig:
     # and a text that makes every rank answer 500 (an input the engine cannot handle: a "query of death")
     response_headers: dict[str, str] = field(default_factory=dict)
     poison_text: str | None = None
+    tokenizer_dir: str | None = None  # a Hugging Face tokenizer directory; None: the shipped one
+    kv_events_config: str | None = None  # --kv-events-config, the JSON as given
+    kv_events_format: str = "sglang"  # whose wire format the events follow
+    load_publish_endpoint: str | None = None  # SGLang's --load-publish-endpoint: auto, off or tcp://HOST:PORT
 
     def __post_init__(self) -> None:
         problems = []
+        if self.kv_events_format not in FORMATS:
+            problems.append(f"kv_events_format must be one of {', '.join(FORMATS)}")
+        else:
+            try:
+                events = self.kv_events()
+            except ValueError as e:
+                problems.append(str(e))
+                events = None
+            load = self.load_publish_endpoint
+            if load not in (None, "off"):
+                if self.kv_events_format != "sglang" or events is None:
+                    problems.append("--load-publish-endpoint needs SGLang-format KV events (--kv-events-config)")
+                elif load != "auto" and tcp_port(load) is None:
+                    problems.append("--load-publish-endpoint must be auto, off or tcp://HOST:PORT")
         for name in ("dp_size", "kv_tokens_per_rank", "page_tokens", "max_running_per_rank",
                      "chunked_prefill", "ideal_max_pages"):
             if getattr(self, name) < 1:
@@ -56,6 +76,10 @@ class SimConfig:
                 problems.append(f"bad fault {rank}:{mode}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The publisher settings when this engine publishes KV events, else None."""
+        return parse_config(self.kv_events_config, self.kv_events_format)
 
 
 def parse_fault(text: str) -> tuple[int, str]:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from array import array
 from collections import deque
-from dataclasses import dataclass, fields
 
-from ramjet.sim.cache import IdealCache, Lease, PrefixCache
+from ramjet.sim.cache import IdealCache, PrefixCache
 from ramjet.sim.config import FAULT_MODES, SLOW_FACTOR, SimConfig
-from ramjet.sim.tokens import Prompt
+from ramjet.sim.kv_events import EnginePublishers, load_endpoint
+from ramjet.sim.kv_wire import wire
+from ramjet.sim.request import STAT_KEYS, RankStats, Req
+from ramjet.sim.tokens import OUTPUT_WORDS, Prompt, Tokenizer, load_tokenizer, make_prompt, page_hashes
 
 log = logging.getLogger("ramjet.sim")
 
@@ -31,51 +34,10 @@ DECODE_TICK_S = 0.02  # real seconds between decode deliveries (one write per ti
 _MIN_NAP_S = 0.001
 
 
-@dataclass
-class RankStats:
-    requests: int = 0
-    completed: int = 0
-    aborted: int = 0
-    errors: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    ideal_cached_tokens: int = 0
-    generation_tokens: int = 0
-
-
-STAT_KEYS = tuple(f.name for f in fields(RankStats))
-
-
-class Req:
-    """One generation request inside the engine; `changed` fires on every step."""
-
-    def __init__(self, prompt: Prompt, output_tokens: int, rank: int, internal: bool = False):
-        self.prompt = prompt
-        self.output_tokens = output_tokens
-        self.rank = rank
-        self.internal = internal  # health probes: not counted in stats
-        self.state = "waiting"  # waiting -> prefill -> decode -> done, or aborted
-        self.lease: Lease | None = None
-        self.cached_tokens = 0
-        self.computed = 0  # prompt tokens in KV (cached + prefilled)
-        self.reload_tokens = 0
-        self.cached_tokens_details: dict | None = None  # SGLang's per-tier report; None without HiCache
-        self.generated = 0
-        self.progress = 0.0
-        self.changed = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        return self.state in ("done", "aborted")
-
-    def notify(self) -> None:
-        self.changed.set()
-
-
 class Rank:
     """One DP rank: its private cache, queue, running requests, fault mode and counters."""
 
-    def __init__(self, index: int, config: SimConfig, engine: "Engine"):
+    def __init__(self, index: int, config: SimConfig, engine: Engine):
         self.index = index
         self.config = config
         self.engine = engine
@@ -85,6 +47,10 @@ class Rank:
         self.decoding: list[Req] = []
         self.fault = config.faults.get(index, "none")
         self.stats = RankStats()
+        self.kv = None  # KV event sink (kv_events.RankEvents) while the engine publishes
+        self.load = None  # SGLang load publisher (kv_events.LoadStats)
+        self.prefill_uncached_tokens = 0
+        self.prefill_busy_s = 0.0  # real seconds spent prefilling
         self._wake = asyncio.Event()
         self._nap: asyncio.Future | None = None
 
@@ -106,7 +72,10 @@ class Rank:
         return engine_seconds * slow / self.config.time_scale
 
     async def run(self) -> None:
+        prefilled = False
         while True:
+            self.publish(force_load=prefilled)
+            prefilled = False
             if self.fault == "wedge":
                 await self._idle()
                 continue
@@ -114,6 +83,7 @@ class Rank:
                 self.prefilling = self._admit()
             if self.prefilling is not None:
                 await self._prefill_chunk(self.prefilling)
+                prefilled = True
                 if self.decoding:  # one decode step between prefill chunks
                     step = 1.0 / self.config.decode_tokens_per_s
                     await asyncio.sleep(self._real(step))
@@ -121,7 +91,23 @@ class Rank:
             elif self.decoding:
                 await self._decode_tick()
             else:
+                if self.load is not None:
+                    self.load.settle(self.load_stat)
                 await self._idle()
+
+    def publish(self, force_load: bool = False) -> None:
+        """End of a scheduler step: one batch of this step's KV events, and load now and then (as SGLang)."""
+        if self.kv is not None:
+            self.kv.flush()
+        if self.load is not None:
+            self.load.step(self.load_stat, force_load)
+
+    def load_stat(self) -> list:
+        """SGLang's LoadStat fields after the tag, in order."""
+        c = self.cache
+        return [self.running, len(self.waiting), c.in_use_tokens, c.capacity, self.index,
+                sum(r.uncached for r in self.waiting), c.device_tokens + c.reserved,
+                self.config.max_running_per_rank, self.prefill_uncached_tokens, int(self.prefill_busy_s * 1e6)]
 
     async def _idle(self) -> None:
         await self._wake.wait()
@@ -132,11 +118,12 @@ class Rank:
         if not self.waiting or self.running >= self.config.max_running_per_rank:
             return None
         req = self.waiting[0]
-        lease = self.cache.acquire(req.prompt.hashes, req.prompt.tokens + req.output_tokens)
+        page = self.config.page_tokens
+        lease = self.cache.acquire(req.prompt.hashes, req.prompt.tokens + req.output_tokens,
+                                   req.prompt.matchable_pages(page), req.prompt.ids)
         if lease is None:
             return None
         self.waiting.popleft()
-        page = self.config.page_tokens
         req.lease = lease
         req.state = "prefill"
         req.cached_tokens = req.computed = lease.cached_pages * page
@@ -147,7 +134,8 @@ class Rank:
         if not req.internal:
             self.stats.prompt_tokens += req.prompt.tokens
             self.stats.cached_tokens += req.cached_tokens
-            self.stats.ideal_cached_tokens += self.engine.ideal.observe(req.prompt.hashes) * page
+            matchable = req.prompt.hashes[:req.prompt.matchable_pages(page)]
+            self.stats.ideal_cached_tokens += self.engine.ideal.observe(matchable) * page
         return req
 
     async def _prefill_chunk(self, req: Req) -> None:
@@ -161,6 +149,8 @@ class Rank:
             await asyncio.sleep(self._real(seconds))
         finally:
             self.engine.prefill_ends()
+            self.prefill_busy_s += self._real(seconds)
+            self.prefill_uncached_tokens += n
         if req.state != "prefill":  # aborted meanwhile
             return
         req.computed += n
@@ -218,11 +208,24 @@ class Rank:
         req.state = "done"
         if req in self.decoding:
             self.decoding.remove(req)
+        self._cache_output(req)
         self.cache.release(req.lease)
         if not req.internal:
             self.stats.completed += 1
             self.stats.generation_tokens += req.output_tokens
         req.notify()
+
+    def _cache_output(self, req: Req) -> None:
+        """Cache the full pages of prompt + output, as both engines insert a finished sequence (the
+        last token's KV is never computed, so it is left out)."""
+        page, prompt = self.config.page_tokens, req.prompt
+        if req.internal or (prompt.tokens + req.generated - 1) // page <= len(prompt.hashes):
+            return
+        ids = prompt.ids + self.engine.output_ids(req.generated)
+        ids = ids[:len(ids) - 1]
+        more = page_hashes(ids, page, len(prompt.hashes), prompt.hashes[-1] if prompt.hashes else None)
+        self.cache.store_output(req.lease, prompt.hashes + more, ids)
+        self.engine.ideal.remember(more)
 
     def abort(self, req: Req) -> None:
         """Drop a request wherever it is (client gone); frees its slot and pages at once."""
@@ -258,9 +261,12 @@ def _report_crash(task: asyncio.Task) -> None:
 class Engine:
     """All ranks of one engine, plus round-robin placement and the engine-wide ideal cache."""
 
-    def __init__(self, config: SimConfig):
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer | None = None):
         self.config = config
+        self.tokenizer = tokenizer or load_tokenizer(config.tokenizer_dir)
+        self.word_ids = self.tokenizer.word_ids(list(OUTPUT_WORDS))
         self.ranks = [Rank(i, config, self) for i in range(config.dp_size)]
+        self.publishers: EnginePublishers | None = None
         self.ideal = IdealCache(config.ideal_max_pages)
         self.outputs = 0  # bumped whenever any rank produces tokens (the health check watches it)
         self._rr = itertools.cycle(range(config.dp_size))
@@ -285,7 +291,22 @@ class Engine:
             return self._clock_total
         return self._clock_total + asyncio.get_running_loop().time() - self._clock_since
 
+    def output_ids(self, n: int) -> array:
+        """Token ids of the first `n` output tokens (the filler words of responses.text_of)."""
+        words = self.word_ids
+        return array("I", (words[i % len(words)] for i in range(n)))
+
     def start(self) -> None:
+        config = self.config
+        events = config.kv_events()
+        if events is not None or config.load_publish_endpoint not in (None, "off"):
+            self.publishers = EnginePublishers(events, wire(config.kv_events_format, config.page_tokens),
+                                               config.dp_size, load_endpoint(events, config.dp_size,
+                                                                             config.load_publish_endpoint))
+            for r, sink in zip(self.ranks, self.publishers.events):
+                r.kv = r.cache.events = sink
+            for r, load in zip(self.ranks, self.publishers.loads):
+                r.load = load
         self._clock_since = asyncio.get_running_loop().time()
         self._tasks = [asyncio.create_task(r.run(), name=f"sim-rank-{r.index}") for r in self.ranks]
         for t in self._tasks:
@@ -296,6 +317,21 @@ class Engine:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        for r in self.ranks:
+            r.publish()  # what the last step left
+            r.kv = r.cache.events = r.load = None
+        if self.publishers is not None:
+            self.publishers.close()
+            self.publishers = None
+
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: empty every rank's cache (both tiers), only when nothing is queued or running."""
+        if any(r.running or r.waiting for r in self.ranks):
+            return False
+        for r in self.ranks:
+            r.cache.clear()
+            r.publish()
+        return True
 
     def place(self, pinned: int | None) -> int:
         """The pinned rank, or the next one in round robin."""
@@ -306,8 +342,11 @@ class Engine:
         return self.config.kv_tokens_per_rank - prompt_tokens - 1
 
     def submit(self, prompt: Prompt, output_tokens: int, rank: int, internal: bool = False) -> Req:
-        req = Req(prompt, output_tokens, rank, internal)
+        req = Req(prompt, output_tokens, rank, internal, self.output_ids, self.tokenizer.eos_id)
         r = self.ranks[rank]
+        if r.load is not None:
+            page = self.config.page_tokens
+            req.uncached = prompt.tokens - r.cache.match(prompt.hashes[:prompt.matchable_pages(page)])[0] * page
         r.waiting.append(req)
         if not internal:
             r.stats.requests += 1
@@ -332,7 +371,7 @@ class Engine:
         invisible while others serve), else fail after the timeout (real seconds)."""
         loop = asyncio.get_running_loop()
         seen = self.outputs
-        req = self.submit(Prompt(1, [], 0), 1, self.place(None), internal=True)
+        req = self.submit(make_prompt(array("I", [0]), self.config.page_tokens), 1, self.place(None), internal=True)
         deadline = loop.time() + self.config.health_timeout_s
         try:
             while self.outputs == seen:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from ramjet.sim.tokens import PromptError, render_chat, single_prompt
+from ramjet.sim.tokens import PromptError, load_tokenizer, single_prompt
 
 V1_PREFIX = "/v1/"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI and SGLang default for /v1/completions
@@ -41,7 +41,7 @@ def bad_request(message: str) -> ApiError:
 class GenRequest:
     kind: str  # "chat" | "completion" | "generate"
     model: str
-    prompt: bytes
+    prompt: str | list[int]  # the rendered chat, the text to tokenize, or token ids as given
     max_tokens: int | None
     min_tokens: int
     ignore_eos: bool
@@ -107,8 +107,12 @@ def requested_rank(body: dict, header: str | None, path: str, dp_size: int) -> i
 
 
 def parse_generation(kind: str, body: dict, path: str, rank_header: str | None, dp_size: int,
-                     served_model: str) -> GenRequest:
-    """Validate one generation request of `kind` and extract what the engine uses."""
+                     served_model: str, render=None) -> GenRequest:
+    """Validate one generation request of `kind` and extract what the engine uses.
+
+    `render` turns a chat body into its prompt text (the model's chat template;
+    default: the shipped tokenizer's).
+    """
     rank = requested_rank(body, rank_header, path, dp_size)
     stream = _opt_bool(body, "stream")
     if kind == "generate":
@@ -138,7 +142,7 @@ def parse_generation(kind: str, body: dict, path: str, rank_header: str | None, 
     model = body.get("model")
     model = model if isinstance(model, str) and model else served_model
     if kind == "chat":
-        prompt = _prompt(lambda: render_chat(body))
+        prompt = _prompt(lambda: (render or load_tokenizer().render)(body))
         max_tokens = _opt_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens")
@@ -155,7 +159,7 @@ def parse_generation(kind: str, body: dict, path: str, rank_header: str | None, 
                       _opt_bool(body, "return_cached_tokens_details"))
 
 
-def _prompt(render) -> bytes:
+def _prompt(render) -> str | list[int]:
     try:
         return render()
     except PromptError as e:

@@ -16,15 +16,14 @@ import orjson
 
 from ramjet.sim.engine import Engine, Req
 from ramjet.sim.protocol import GenRequest
+from ramjet.sim.tokens import OUTPUT_WORDS
 
-_WORDS = [w.encode() for w in (" the", " model", " reads", " your", " code", " and", " writes", " a",
-                                " short", " answer", " about", " it", ".", " Then", " waits", ",")]
+_WORDS = [w.encode() for w in OUTPUT_WORDS]
 _DONE = b"data: [DONE]\n\n"
-_EOS_TOKEN_ID = 151329
 
 
 def text_of(a: int, b: int) -> bytes:
-    """Output text of tokens [a, b): deterministic filler, one word per token."""
+    """Output text of tokens [a, b): deterministic filler, one word per token (ids: Engine.output_ids)."""
     words = _WORDS
     return b"".join(words[i % len(words)] for i in range(a, b))
 
@@ -156,12 +155,12 @@ class GenerateFormatter(Formatter):
         reason = None
         if final:
             reason = ({"type": "length", "length": n} if self.finish_reason == "length"
-                      else {"type": "stop", "matched": _EOS_TOKEN_ID})
+                      else {"type": "stop", "matched": self.req.eos_id})
         meta = {"id": self.id, "finish_reason": reason, "prompt_tokens": self.req.prompt.tokens,
                 "completion_tokens": n, "cached_tokens": self.req.cached_tokens}
         if self.spec.cache_details and self.req.cached_tokens_details:  # asked for, with HiCache on
             meta["cached_tokens_details"] = self.req.cached_tokens_details
-        return {"text": text_of(0, n).decode(), "output_ids": list(range(1000, 1000 + n)), "meta_info": meta}
+        return {"text": text_of(0, n).decode(), "output_ids": self.req.ids_of(n).tolist(), "meta_info": meta}
 
     def stream_tokens(self, a: int, b: int) -> bytes:
         last = b if self.req.state != "done" else b - 1  # the last token goes out with the final event

@@ -6,10 +6,12 @@ engine's rank loops; `app.state.engine` is the live `Engine`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import time
+from array import array
 from collections import deque
 
 import orjson
@@ -21,15 +23,17 @@ from starlette.routing import Route
 
 from ramjet.sim.config import FAULT_MODES, VERSION, SimConfig
 from ramjet.sim.engine import Engine
+from ramjet.sim.kv_events import load_endpoint
+from ramjet.sim.kv_wire import tcp_host, tcp_port
 from ramjet.sim.metrics import metrics_renderer
-from ramjet.sim.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, bad_request, output_tokens, parse_body,
-                                 parse_generation)
+from ramjet.sim.protocol import UNBOUNDED_MAX_TOKENS, ApiError, bad_request, output_tokens, parse_body, parse_generation
 from ramjet.sim.responses import FORMATTERS, GenerationResponse
-from ramjet.sim.tokens import tokenize
+from ramjet.sim.tokens import Prompt, make_prompt
 
 log = logging.getLogger("ramjet.sim")
 
 REQUEST_LOG = 1000  # requests remembered for GET /sim/requests
+INLINE_CHARS = 8_192  # prompt text new to the tokenizer's cache beyond this (~5 ms) is tokenized off the event loop
 _MODEL_TYPE = "glm_moe_dsa"
 _ARCHITECTURE = "GlmMoeDsaForCausalLM"
 
@@ -90,19 +94,51 @@ class _Recorder:
         await self.app(scope, receive, adding)
 
 
+def kv_events_descriptor(config: SimConfig) -> dict | None:
+    """SGLang v0.5.20's `kv_events` block of /server_info (null when it does not publish; vLLM has none)."""
+    events = config.kv_events()
+    if events is None or config.kv_events_format != "sglang":
+        return None
+    out = {"publisher": "zmq", "endpoint_host": tcp_host(events.endpoint),
+           "endpoint_port_base": tcp_port(events.endpoint), "topic": events.topic,
+           "block_size": config.page_tokens, "dp_size": config.dp_size}
+    load = load_endpoint(events, config.dp_size, config.load_publish_endpoint)
+    if load is not None:
+        out.update(load_endpoint_port_base=tcp_port(load), load_topic="load")
+    return out
+
+
 def build_app(config: SimConfig) -> Starlette:
     engine = Engine(config)
+    tokenizer = engine.tokenizer
     seen: deque = deque(maxlen=REQUEST_LOG)
     render_metrics = metrics_renderer(engine)
     started = int(time.time())
     model = config.model_name
 
+    async def to_prompt(spec) -> Prompt:
+        """Token ids (the chat template's text tokenized as `apply_chat_template` does, without adding
+        special tokens; other text with them; ids as given) and page hashes."""
+        if isinstance(spec.prompt, list):
+            return make_prompt(array("I", spec.prompt), config.page_tokens)
+        special = spec.kind != "chat"
+        try:
+            if tokenizer.uncached_chars(spec.prompt) > INLINE_CHARS:  # a cold long prompt must not stall the ranks
+                ids = await asyncio.to_thread(tokenizer.encode, spec.prompt, special)
+            else:
+                ids = tokenizer.encode(spec.prompt, special)
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take (e.g. lone surrogates)
+            raise bad_request(f"the prompt could not be tokenized: {e}") from None
+        if not ids:
+            raise bad_request("the prompt has no tokens")
+        return make_prompt(ids, config.page_tokens)
+
     async def generation(request: Request, kind: str) -> Response:
         try:
             body = parse_body(await request.body())
             spec = parse_generation(kind, body, request.url.path, request.headers.get("x-data-parallel-rank"),
-                                    config.dp_size, model)
-            prompt = tokenize(spec.prompt, config.page_tokens)
+                                    config.dp_size, model, tokenizer.render)
+            prompt = await to_prompt(spec)
             room = engine.room(prompt.tokens)
             if room < 1:
                 raise bad_request(f"the prompt ({prompt.tokens} tokens) does not fit one rank's KV pool "
@@ -112,7 +148,7 @@ def build_app(config: SimConfig) -> Starlette:
         rank = engine.place(spec.rank)
         headers = {"X-Sim-Dp-Rank": str(rank)}
         target = engine.ranks[rank]
-        if config.poison_text and config.poison_text.encode() in spec.prompt:
+        if config.poison_text and isinstance(spec.prompt, str) and config.poison_text in spec.prompt:
             target.stats.requests += 1
             target.stats.errors += 1
             return _error(ApiError(500, "simulated engine error on this input", "internal_server_error"), headers)
@@ -163,7 +199,8 @@ def build_app(config: SimConfig) -> Starlette:
             "chunked_prefill_size": config.chunked_prefill, "page_size": config.page_tokens,
             "kv_cache_dtype": "fp8_e4m3", "enable_hierarchical_cache": config.hicache_tokens_per_rank > 0,
             "enable_cache_report": True, "enable_metrics": True, "api_key_set": config.api_key is not None,
-            "version": VERSION, "internal_states": per_rank,
+            "version": VERSION, "internal_states": per_rank, "kv_events_config": config.kv_events_config,
+            "kv_events": kv_events_descriptor(config), "load_publish_endpoint": config.load_publish_endpoint,
             "simulator": {"time_scale": config.time_scale, "prefill_tokens_per_s": config.prefill_tokens_per_s,
                           "decode_tokens_per_s": config.decode_tokens_per_s,
                           "hicache_tokens_per_rank": config.hicache_tokens_per_rank,
@@ -190,6 +227,11 @@ def build_app(config: SimConfig) -> Starlette:
         return _json([{"dp_rank": r.index, "num_reqs": r.running + len(r.waiting),
                        "num_waiting_reqs": len(r.waiting), "num_tokens": r.cache.in_use_tokens}
                       for r in engine.ranks])
+
+    async def flush_cache(request: Request) -> Response:
+        ok = engine.flush_cache()
+        text = ("Cache flushed.\n" if ok else "Cache not flushed: there are running or waiting requests.\n")
+        return Response(text, status_code=200 if ok else 400, media_type="text/plain")
 
     async def metrics(request: Request) -> Response:
         return Response(render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -247,6 +289,7 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/v1/loads", loads, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", sim_faults, methods=["GET", "POST"]),
         Route("/sim/requests", sim_requests, methods=["GET"]),
