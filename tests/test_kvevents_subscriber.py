@@ -248,7 +248,7 @@ async def test_resuming_from_a_known_sequence_asks_from_there(engines, ctx):
     stream.close()
 
 
-async def test_a_publisher_that_comes_back_from_zero_is_a_restart(engines, ctx):
+async def test_a_publisher_that_goes_away_is_forgotten_and_its_new_stream_read_from_zero(engines, ctx):
     engine = engines(framing="vllm")
     stream = EventStream(engine.endpoints(), context=ctx)
     items, first = await started(engine, stream)
@@ -256,10 +256,28 @@ async def test_a_publisher_that_comes_back_from_zero_is_a_restart(engines, ctx):
     assert [(await asyncio.wait_for(first, WAIT_S)).kind] + await take(items, 3) == ["live", 0, 1, 2]
     await engine.go_away_and_come_back()
     reading = asyncio.ensure_future(anext(items))
+    assert (await asyncio.wait_for(reading, WAIT_S)).kind == "disconnected"
+    assert stream.complete is None  # nothing is known of what comes next
+    reading = asyncio.ensure_future(anext(items))
     await engine.subscribed()
     await engine.publish(1)
-    assert [(await asyncio.wait_for(reading, WAIT_S)).kind] + await take(items, 1) == ["restart", 0]
+    assert [(await asyncio.wait_for(reading, WAIT_S)).kind] + await take(items, 1) == ["live", 0]
     assert stream.complete is True  # the new stream, from its first batch
+    assert stream.counters.disconnects == 1 and stream.counters.restarts == 0
+    stream.close()
+
+
+async def test_a_sequence_that_goes_back_on_the_same_connection_is_a_restart(engines, ctx):
+    engine = engines(framing="vllm")
+    stream = EventStream(engine.endpoints(), context=ctx)
+    items, first = await started(engine, stream)
+    await engine.publish(3)
+    assert [(await asyncio.wait_for(first, WAIT_S)).kind] + await take(items, 3) == ["live", 0, 1, 2]
+    engine.next_seq, engine.epoch = 0, 1
+    engine.buffer.clear()
+    await engine.publish(1)
+    assert await take(items, 2) == ["restart", 0]
+    assert stream.complete is True
     await engine.publish(2, send=False)  # the new stream loses 1 and 2, then goes backwards again
     await engine.publish(1)
     assert await take(items, 4) == ["gap", 1, 2, 3]

@@ -87,25 +87,58 @@ def test_replicas_with_different_block_sizes_are_matched_at_their_own():
 
 def test_trust_follows_the_stream_and_the_engines_reports():
     t = Trust()
-    assert not t.trusted and t.reason == "starting"
+    assert not t.trusted(0) and t.reason == "starting"
     t.synced_from_start()
-    assert t.trusted
+    assert t.trusted(0)
     t.stream("silent")
-    assert not t.trusted and t.reason == "silent"
-    t.stream("live")
-    assert t.trusted
+    assert t.trusted(1)  # an idle engine publishes nothing: no evidence of loss
+    t.owed(5.0)  # it answered a request that stored blocks: a batch is owed by t=5
+    assert t.trusted(4.9) and not t.trusted(5.1) and t.reason == "silent"
+    t.batch()
+    assert t.trusted(6)
     for _ in range(AGREE_WINDOW - 1):
         t.compare(False)
-    assert t.trusted  # a miss or two is noise
+    assert t.trusted(6)  # a miss or two is noise
     t.compare(False)
-    assert not t.trusted and t.reason == "disagrees"
+    assert not t.trusted(6) and t.reason == "disagrees"
     for _ in range(AGREE_WINDOW):
         t.compare(True)
-    assert t.trusted
+    assert t.trusted(6)
     t.stream("partial")
-    assert not t.trusted and t.reason == "partial"
+    assert not t.trusted(6) and t.reason == "partial"
     for _ in range(AGREE_WINDOW):
         t.compare(True)
-    assert t.trusted  # a partial stream earns trust back by agreeing
+    assert t.trusted(6)  # a partial stream earns trust back by agreeing
     t.stream("restart")
-    assert t.trusted  # a restart is an exactly known state: empty
+    assert t.trusted(6)  # a restart is an exactly known state: empty
+
+
+def test_requests_in_flight_bound_what_a_replica_may_hold_without_counting_as_held():
+    ids = tokens(40)
+    index = TokenIndex(2)
+    index.block_size = [BS, BS]
+    store(index, 0, ids, 0, 2)
+    first, second = chain(ids[:24], BS), chain(ids, BS)
+    index.started(0, first)   # two requests sharing 6 blocks are being computed on replica 0
+    index.started(0, second)
+    held = index.held(ids)
+    assert (held[0].tokens, held[0].reach_tokens) == (8, 40) and (held[1].tokens, held[1].reach_tokens) == (0, 0)
+    index.ended(0, second)    # one failed there: the other still bounds the first 6 blocks
+    assert index.held(ids)[0].reach_tokens == 24
+    index.ended(0, first)
+    assert index.held(ids)[0].reach_tokens == 8
+    index.started(1, first)   # a replica that holds nothing yet may hold what is in flight there
+    assert index.held(ids)[1].reach_tokens == 24
+
+
+def test_blocks_computed_but_not_yet_reported_count_as_held_until_they_expire():
+    ids = tokens(24)
+    index = TokenIndex(1)
+    index.block_size = [BS]
+    index.expect(0, chain(ids, BS), until=10.0, now=0.0)  # answered, its events not in yet
+    assert index.held(ids)[0].gpu_tokens == 24
+    store(index, 0, ids, 0, 3)                            # reported in part: the rest still expected
+    index.sweep(5.0)
+    assert index.held(ids)[0].gpu_tokens == 24
+    index.sweep(11.0)                                     # never reported: not held after all
+    assert index.held(ids)[0].gpu_tokens == 12

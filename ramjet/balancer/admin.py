@@ -50,7 +50,8 @@ def build_admin_app(balancer: Balancer) -> FastAPI:
         return {"upstream": r.ordinal, "node": r.node, "rank": r.dp_rank,
                 "state": "serving" if s.serving else "fenced", "reason": s.reason or None, "drained": s.drained,
                 "in_flight": s.in_flight, "load_units": s.load_units, "index_blocks": router.index.size(i),
-                "cache_epoch": s.cache_epoch, "history": list(s.history)}
+                "cache_epoch": s.cache_epoch, "history": list(s.history),
+                "kv_events": balancer.precise.report(i) if balancer.precise else None}
 
     @app.get("/admin/replicas", summary="Every replica: state, load, index size, fence history")
     def replicas() -> dict:

@@ -124,6 +124,8 @@ class Forwarder:
             for i, (now, seen) in enumerate(zip(epochs, self._seen_epochs)):
                 if now != seen:
                     self.router.forget(i)
+                    if self.precise is not None:
+                        self.precise.forget(i)
                     self._index_gauges[i].set(0)
             self._seen_epochs = epochs
 
@@ -140,7 +142,7 @@ class Forwarder:
                 shares = None
                 if self.precise is not None:  # tokenized off the loop; None: routed approximately
                     o.match = await self.precise.match(route, body)
-                    shares = o.match[2] if o.match else None
+                    shares = o.match.shares if o.match else None
                 self.sync_caches()
                 o.loads, o.routable = self.fleet.loads(), self.fleet.routable()
                 o.decision = self.router.decide(route, body, o.loads, o.routable, held=shares)
@@ -191,6 +193,8 @@ class Forwarder:
                 if path.startswith("/v1/"):
                     pinned = headers + [(b"x-data-parallel-rank", str(replica.dp_rank).encode())]
             self._retrying += retry
+            if o.match is not None:
+                self.precise.sent(i, o.match)
             try:
                 with self.fleet.awaiting_first_byte(i) as wait:
                     opened = await self.upstream.open("POST", replica.url + path, content, pinned,
@@ -199,17 +203,21 @@ class Forwarder:
                 return self._failed(o, i, failure.reason)
             except asyncio.CancelledError:
                 if not wait.interrupted():  # the client left: no failover
+                    if o.match is not None:
+                        self.precise.failed(i, o.match)
                     raise
                 return self._failed(o, i, "fenced")
             finally:
                 self._retrying -= retry
             o.answered(i, opened.status)
+            if o.match is not None:
+                (self.precise.computed if 200 <= opened.status < 300 else self.precise.failed)(i, o.match)
             held.prefill_done()  # the first byte means the prefill is done: only a decode slot is held now
             if 200 <= opened.status < 300:
                 self._answered(i, decision, o)
             relayed = await relay(opened, replica.ordinal, send, o.t0, o.request_id.encode(), self.s.passed_headers)
             o.status, o.result, o.ttfb, o.usage = relayed.status, relayed.result, relayed.ttfb, relayed.usage
-            if o.match and o.usage and self.precise is not None:
+            if o.match and o.match.known[i] and o.usage:
                 self._check_prediction(i, o)
             if relayed.result == "upstream_died":
                 self.fleet.request_failed(i, o.request_id, "midstream")
@@ -221,13 +229,14 @@ class Forwarder:
 
     def _check_prediction(self, i: int, o: Outcome) -> None:
         """Compare what each index predicted for replica i with the cached tokens its engine reported."""
-        prompt_tokens, held, _ = o.match
-        fp = o.decision.fingerprint
-        approximate = round(fp.covered_bytes(o.decision.overlaps[i]) / max(fp.prompt_bytes, 1) * prompt_tokens)
-        self.precise.observe(i, held[i].tokens, approximate, o.usage.cached_tokens)
+        m, fp = o.match, o.decision.fingerprint
+        approximate = round(fp.covered_bytes(o.decision.overlaps[i]) / max(fp.prompt_bytes, 1) * m.prompt_tokens)
+        self.precise.observe(i, m.held[i], approximate, o.usage.cached_tokens, o.usage.prompt_tokens)
 
     def _failed(self, o: Outcome, i: int, reason: str) -> str:
         o.failed_attempt(i, reason)
+        if o.match is not None:
+            self.precise.failed(i, o.match)
         if reason == "refused":
             self.fleet.engine_refused(self._engines[i])
         elif reason in _STRIKES:

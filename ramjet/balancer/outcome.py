@@ -41,7 +41,7 @@ class Outcome:
     ttfb: float | None = None
     usage: Usage | None = None
     affinity_hit: bool | None = None       # did the answering replica hold the longest overlap
-    match: tuple | None = None             # precise mode: (prompt tokens, what each replica holds, shares used)
+    match: object | None = None            # precise mode: what the engines report (balancer.precise.Match)
 
     def failed_attempt(self, replica: int, reason: str) -> None:
         self.attempts.append({"upstream": replica, "failed": reason})
@@ -108,7 +108,7 @@ class Recorder:
         record = {"ts": round(o.ts, 3), "id": o.request_id, "route": o.route, "blocks": len(d.fingerprint.blocks),
                   "prompt_bytes": d.fingerprint.prompt_bytes, "overlaps": d.overlaps, "scores": d.ranking.scores,
                   "loads": o.loads, "serving": o.routable, "reason": d.ranking.reason, "policy": d.policy,
-                  "precise": [s is not None for s in o.match[2]] if o.match else None,
+                  "precise": [s is not None for s in o.match.shares] if o.match else None,
                   "attempts": o.attempts}
         if o.replica is not None:
             record["choice"] = o.replica

@@ -11,12 +11,15 @@ fallback costs nothing but precision:
   a replay that cannot reach back (the engine ran longer than its buffer) makes
   it partial, trusted again once its predictions agree;
 - a sequence gap the replay cannot fill: the same;
-- a silent stream (no batch while the replica answered requests that must have
-  stored blocks): until the stream speaks again;
+- a silent stream (no batch within RJ_KV_EVENTS_SILENCE_MS of an answer that
+  must have stored blocks; an idle engine is silent and fine): until it speaks;
 - predictions that miss the engine-reported cached tokens by more than a block
   on AGREE_WINDOW answers in a row: until they agree again as often;
 - a restart (the sequence went back, or a new stream): the replica holds
-  nothing, which is known exactly, so it stays trusted.
+  nothing, which is known exactly, so it stays trusted;
+- a dropped connection to the publisher (the engine stopped, restarted between
+  health probes, or the network failed): what it held is forgotten, by both
+  indexes, and it is not trusted until its next stream proves complete.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ramjet.routing.token_index import Held, TokenIndex, chain
 log = logging.getLogger("ramjet.precise")
 
 AGREE_WINDOW = 3      # answers in a row that decide distrust, and trust again
+EXPECT_S = 5.0        # how long a routed request's blocks count as held before the engine reports them
 TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
 
 
@@ -80,28 +84,37 @@ class Trust:
     """One replica's standing: does the router use the engine's report, or the approximate index?"""
 
     synced: bool = False           # the stream's start is known (replay reached back, or a restart)
-    live: bool = False             # batches are arriving (not silent)
     agreeing: bool = True          # predictions matched the engine's cached tokens lately
     reason: str = "starting"       # why it is not trusted, when it is not
     streak: list = field(default_factory=list)  # the last AGREE_WINDOW comparisons (True: within a block)
+    awaited: float | None = None   # a batch is owed by then: the engine answered a request that stored blocks
 
-    @property
-    def trusted(self) -> bool:
-        return self.synced and self.live and self.agreeing
+    def trusted(self, now: float) -> bool:
+        if self.awaited is not None and now > self.awaited:  # silent while it should have spoken
+            self.reason = "silent"
+            return False
+        return self.synced and self.agreeing
 
     def stream(self, kind: str) -> None:
-        """A StreamState from the subscriber: live | gap | partial | restart | silent."""
-        if kind == "live":
-            self.live = True
-        elif kind == "silent":
-            self.live, self.reason = False, "silent"
-        elif kind == "partial":
+        """A StreamState from the subscriber: live | gap | partial | restart | disconnected | silent (an idle
+        engine is silent, which is fine)."""
+        if kind == "partial":
             self.synced, self.reason = False, "partial"
+        elif kind == "disconnected":
+            self.synced, self.reason, self.streak, self.awaited = False, "disconnected", [], None
         elif kind == "restart":
-            self.synced, self.live, self.agreeing, self.streak = True, True, True, []
+            self.synced, self.agreeing, self.streak, self.awaited = True, True, [], None
+
+    def batch(self) -> None:
+        self.awaited = None
+
+    def owed(self, deadline: float) -> None:
+        """An answer that must have stored blocks: a batch should arrive before `deadline`."""
+        if self.awaited is None:
+            self.awaited = deadline
 
     def synced_from_start(self) -> None:
-        self.synced = self.live = True
+        self.synced = True
 
     def compare(self, agreed: bool) -> None:
         """One answered request: did the prediction land within a block of what the engine reported?"""
@@ -114,6 +127,17 @@ class Trust:
                 self.synced = True
 
 
+@dataclass(frozen=True, slots=True)
+class Match:
+    """One request seen through the engines' reports."""
+
+    prompt_tokens: int
+    held: list[Held]                   # what each replica holds of it (GPU, host tier)
+    shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
+    chains: dict[int, list[int]]       # the prompt's block chain at each engine block size
+    known: list[bool]                  # whether a replica's block size was known: without it, no prediction
+
+
 class Matcher:
     """Request -> what each replica holds, tokenized off the event loop."""
 
@@ -123,11 +147,11 @@ class Matcher:
         self.host_credit = host_credit
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
 
-    async def held(self, route: str, body: dict) -> tuple[int, list[Held]]:
-        """(prompt tokens, per replica what it holds); raises ApiError when the request cannot be tokenized."""
+    async def held(self, route: str, body: dict) -> tuple[int, list[Held], dict[int, list[int]]]:
+        """(prompt tokens, per replica what it holds, the prompt's chain per block size); ApiError if untokenizable."""
         sizes = sorted({s for s in self.index.block_size if s})
         ids, chains = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenize, route, body, sizes)
-        return len(ids), self.index.held_chains(chains)
+        return len(ids), self.index.held_chains(chains), chains
 
     def _tokenize(self, route: str, body: dict, sizes: list[int]):
         ids = self.tokenizer.prompt_ids(route, body)
@@ -164,28 +188,75 @@ class PreciseMode:
         self.index = matcher.index
         self.s = settings
         self.trust = [Trust() for _ in replicas]
+        self.streaming = [False] * len(replicas)
+        self._media: list[set[str]] = [set() for _ in replicas]  # tiers each replica has reported
+        self._swept = 0.0
         self._streams: list[EventStream] = []
         self._gauges = [metrics.for_replica(r.labels) for r in replicas]
 
     # --- routing ---------------------------------------------------------------------
-    async def match(self, route: str, body: dict) -> tuple[int, list[Held], list[float | None]] | None:
-        """(prompt tokens, what each replica holds, the share the router may use or None where not trusted).
+    async def match(self, route: str, body: dict) -> Match | None:
+        """What each replica holds of this request, and the shares the router may use (None where not trusted).
 
         None when the request cannot be tokenized as its engine would: it is routed approximately.
         """
+        now = time.monotonic()
+        if now - self._swept > 1.0:
+            self.index.sweep(now)
+            self._swept = now
         try:
-            prompt_tokens, held = await self.matcher.held(route, body)
+            prompt_tokens, held, chains = await self.matcher.held(route, body)
         except ApiError:
             return None
         shares = self.matcher.shares(prompt_tokens, held)
-        return prompt_tokens, held, [s if t.trusted else None for s, t in zip(shares, self.trust)]
+        known = [size in chains for size in self.index.block_size]
+        return Match(prompt_tokens, held, [s if k and t.trusted(now) else None
+                                           for s, k, t in zip(shares, known, self.trust)], chains, known)
 
-    def observe(self, i: int, predicted: int, approximate: int, reported: int) -> None:
-        """An answered request on replica i: the engine reported `reported` cached tokens."""
+    def sent(self, i: int, match: Match) -> None:
+        """The request goes to replica i: until its first byte, its blocks bound what i may hold."""
+        hashes = self._chain(i, match)
+        if hashes:
+            self.index.started(i, hashes)
+
+    def computed(self, i: int, match: Match) -> None:
+        """Replica i answered this request's first byte with a 2xx: its blocks are there,
+        reported or soon to be, and count as held until reported or EXPECT_S.
+
+        Not counted as held from the moment the request is sent: every session's first turn would
+        then follow the first one's shared harness to its replica before any answered (measured: 16
+        sessions on 1 of 8 ranks in tests/test_precise.py's workload), where the approximate index,
+        which also learns at the answer, spreads them."""
+        hashes = self._chain(i, match)
+        if hashes:
+            now = time.monotonic()
+            self.index.ended(i, hashes)
+            self.index.expect(i, hashes, now + EXPECT_S, now)
+
+    def failed(self, i: int, match: Match) -> None:
+        """Replica i did not answer, or answered with an error: it computed nothing."""
+        hashes = self._chain(i, match)
+        if hashes:
+            self.index.ended(i, hashes)
+
+    def _chain(self, i: int, match: Match) -> list[int] | None:
+        """The request's block hashes at replica i's block size (no event from it yet: a fleet-wide size)."""
+        size = self.index.block_size[i] or next(iter(match.chains), None)
+        return match.chains.get(size)
+
+    def observe(self, i: int, held: Held, approximate: int, reported: int, prompt_tokens: int) -> None:
+        """An answered request on replica i: the engine reported `reported` of `prompt_tokens` cached.
+
+        The prediction agrees when the report lies within a block of what i held, or of what it could
+        hold by then: the blocks of requests in flight there when this one was matched."""
+        if not self.streaming[i]:  # no publisher: nothing to trust or distrust
+            return
         block = self.index.block_size[i] or 1
-        agreed = abs(predicted - reported) <= block
-        was = self.trust[i].trusted
+        agreed = held.tokens - block <= reported <= max(held.tokens, held.reach_tokens) + block
+        was = self.trust[i].trusted(time.monotonic())
         self.trust[i].compare(agreed)
+        if prompt_tokens - reported >= 2 * block:  # it computed whole new blocks: the engine will report them
+            self.trust[i].owed(time.monotonic() + self.s.silence_s)
         self.metrics.predictions.labels("precise", str(agreed).lower()).inc()
         self.metrics.predictions.labels("approximate", str(abs(approximate - reported) <= block).lower()).inc()
         self._mode_changed(i, was)
@@ -194,6 +265,9 @@ class PreciseMode:
     async def run(self, upstream: Upstream) -> None:
         """Discover every replica's publishers, then follow them all (until cancelled)."""
         endpoints = await self._discover(upstream)
+        for i, e in enumerate(endpoints):  # known before any event arrives, so routed requests count at once
+            if e is not None and e.block_size and not self.index.block_size[i]:
+                self.index.block_size[i] = e.block_size
         await asyncio.gather(*(self._follow(i, e) for i, e in enumerate(endpoints) if e is not None))
 
     async def _discover(self, upstream: Upstream) -> list[Endpoints | None]:
@@ -201,13 +275,15 @@ class PreciseMode:
         out: list[Endpoints | None] = []
         for i, r in enumerate(self.replicas):
             rank = r.dp_rank or 0
+            if r.engine not in infos:
+                infos[r.engine] = await self._server_info(upstream, r.engine)
+                if isinstance(infos[r.engine], dict):  # SGLang serves /server_info; it joins text parts with spaces
+                    self.matcher.tokenizer.part_separator = " "
             try:
                 if self.s.events_endpoint:
                     out.append(from_operator(self.s.events_endpoint, r.engine, rank, i, replay=self.s.replay_endpoint,
                                              topic=self.s.topic))
                     continue
-                if r.engine not in infos:
-                    infos[r.engine] = await self._server_info(upstream, r.engine)
                 found = from_server_info(infos[r.engine], r.engine, rank) if infos[r.engine] else None
                 if found is not None and self.s.replay_endpoint:
                     found = replace(found, replay=from_operator(self.s.replay_endpoint, r.engine, rank, i).events)
@@ -230,17 +306,19 @@ class PreciseMode:
         return None
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
+        self.streaming[i] = True
         stream = EventStream(endpoints, silence_s=self.s.silence_s)
         self._streams.append(stream)
         labels = self.replicas[i].labels
         try:
             async for item in stream.items():
-                was = self.trust[i].trusted
+                was = self.trust[i].trusted(time.monotonic())
                 if isinstance(item, StreamState):
                     self.metrics.kv_stream_states.labels(*labels, item.kind).inc()
-                    if item.kind == "restart":  # the engine restarted: its caches are gone, for both indexes
+                    if item.kind in ("restart", "disconnected"):  # its caches are gone, or unknown: both indexes
                         self.index.clear(i)
                         self.fleet.cache_lost(i)
+                        self._resident_changed(i)
                     self.trust[i].stream(item.kind)
                 else:
                     self._apply(i, item)
@@ -263,20 +341,31 @@ class PreciseMode:
             elif isinstance(e, AllBlocksCleared):
                 self.index.clear(i)
             m.kv_events.labels(*labels, type(e).__name__).inc()
-        self.trust[i].live = True
-        for medium, tokens in self.index.resident_tokens(i).items():
-            m.kv_resident_tokens.labels(*labels, medium).set(tokens)
+        self.trust[i].batch()
+        self._resident_changed(i)
+
+    def _resident_changed(self, i: int) -> None:
+        resident = self.index.resident_tokens(i)
+        self._media[i].update(resident)  # a tier once reported is reported as empty once it is
+        for medium in self._media[i]:
+            self.metrics.kv_resident_tokens.labels(*self.replicas[i].labels, medium).set(resident.get(medium, 0))
 
     def _mode_changed(self, i: int, was: bool) -> None:
-        now = self.trust[i].trusted
+        now = self.trust[i].trusted(time.monotonic())
         self._gauges[i].kv_precise.set(1 if now else 0)
         if now != was:
             log.info("upstream %s routes %s%s", self.replicas[i].ordinal, "precisely" if now else "approximately",
                      "" if now else f" ({self.trust[i].reason})")
 
+    def forget(self, i: int) -> None:
+        """The replica's engine went away (refused connections): whatever it held is gone."""
+        self.index.clear(i)
+        self._resident_changed(i)
+
     def report(self, i: int) -> dict:
         t = self.trust[i]
-        return {"mode": "precise" if t.trusted else "approximate", "reason": None if t.trusted else t.reason,
+        trusted = t.trusted(time.monotonic())
+        return {"mode": "precise" if trusted else "approximate", "reason": None if trusted else t.reason,
                 "blocks": self.index.size(i), "block_size": self.index.block_size[i]}
 
     def close(self) -> None:

@@ -13,7 +13,12 @@ is dropped by sequence number (`sequencing.py` decides). Kinds of state:
   endpoint; what the replica holds is known only in part;
 - `restart`: the sequence went backwards, a new publisher: forget everything about the
   replica; the batches that follow belong to the new stream;
-- `silent`: nothing for `silence_s`; the engine may be idle, but the stream cannot vouch.
+- `silent`: nothing for `silence_s`; the engine may be idle, but the stream cannot vouch;
+- `disconnected`: the publisher's connection dropped (the engine stopped or restarted,
+  or the network failed). Batches published while it was down are lost unsaid, and a
+  restarted engine starts numbering again before anyone can tell: forget everything
+  about the replica; what follows is read as a new stream (complete if it starts at 0,
+  partial if the old one goes on past what the replay holds).
 
 `EventStream.complete` says whether everything since the start (or since a restart)
 was delivered, so a consumer knows when its view of the replica is whole;
@@ -44,7 +49,7 @@ from ramjet.kvevents.wire import Batch, WireError, decode_live, decode_replay
 
 log = logging.getLogger(__name__)
 
-LIVE, GAP, PARTIAL, RESTART, SILENT = "live", "gap", "partial", "restart", "silent"
+LIVE, GAP, PARTIAL, RESTART, SILENT, DISCONNECTED = "live", "gap", "partial", "restart", "silent", "disconnected"
 _UNDECODABLE = object()
 
 
@@ -69,6 +74,7 @@ class StreamCounters:
     replays: int = 0
     replay_timeouts: int = 0
     restarts: int = 0
+    disconnects: int = 0
 
 
 class EventStream:
@@ -87,6 +93,7 @@ class EventStream:
         self._max_pending = max_pending
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._replay_note = "no replay asked yet"
         self._replay_answered = False
@@ -117,7 +124,7 @@ class EventStream:
     def close(self) -> None:
         """Release the sockets; a running `items()` ends cleanly. Idempotent."""
         self._closed = True
-        for sock in (self._sub, self._dealer):
+        for sock in (self._monitor, self._sub, self._dealer):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
 
@@ -130,6 +137,7 @@ class EventStream:
             if self._closed:
                 return
             self._sub = self._subscribe()
+            self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             async with contextlib.aclosing(self._run()) as run:
                 async for item in run:
                     yield item
@@ -163,11 +171,24 @@ class EventStream:
         if self._complete is None and self._replay_answered:
             self._complete = True  # the replay had nothing since the start: nothing was missed
         silent, announced = False, False
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._closed:
-            if not await self._sub.poll(int(self._silence_s * 1000), zmq.POLLIN):
+            ready = dict(await poller.poll(int(self._silence_s * 1000)))
+            if not ready:
                 if not silent:
                     silent = True
                     yield StreamState(SILENT, f"no batch for {self._silence_s:g}s from {self.endpoints.events}")
+                continue
+            if self._monitor in ready:
+                await self._monitor.recv_multipart()  # only disconnections are monitored
+                self.counters.disconnects += 1
+                self._sequencer.reset()
+                self._complete, announced = None, False
+                yield StreamState(DISCONNECTED, f"the connection to {self.endpoints.events} dropped")
+                continue
+            if self._sub not in ready:
                 continue
             batch = self._decode(decode_live, await self._sub.recv_multipart())
             if batch is _UNDECODABLE:

@@ -83,6 +83,7 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
         self.template = compile_template(chat_template) if chat_template else None
         self.special = special  # bos_token, eos_token, ...: what templates read
+        self.part_separator = "\n"  # text parts of one message are joined with this: "\n" (vLLM), " " (SGLang)
         self.cache = PieceCache(cache_tokens)
         splitters = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()
                             if t.special and not (t.lstrip or t.rstrip or t.single_word)), key=len, reverse=True)
@@ -95,9 +96,11 @@ class PromptTokenizer:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        generation = body.get("add_generation_prompt", True)
         try:
-            return self.template.render(messages=_messages(body.get("messages")), tools=body.get("tools"),
-                                        add_generation_prompt=True, **{**self.special, **kwargs})
+            return self.template.render(messages=_messages(body.get("messages"), self.part_separator),
+                                        tools=body.get("tools"), add_generation_prompt=generation is not False,
+                                        **{**self.special, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise bad_request(f"the chat template refused this conversation: {e}") from None
 
@@ -162,15 +165,16 @@ def _ids(values: list) -> array:
         raise bad_request("token ids must be integers between 0 and 2**32 - 1", "input_ids") from None
 
 
-def _messages(messages: object) -> list:
+def _messages(messages: object, separator: str) -> list:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise bad_request("'messages' must be a list of objects", "messages")
-    return [_text_content(m) for m in messages]
+    return [_as_engines_see_it(m, separator) for m in messages]
 
 
-def _text_content(message: dict) -> dict:
-    """Content given as a list of text parts is joined, as engines do for text-only models."""
-    content = message.get("content")
+def _as_engines_see_it(message: dict, separator: str) -> dict:
+    """Fields set to null are left out, and text parts joined, as the engines prepare messages for a template."""
+    out = {k: v for k, v in message.items() if v is not None}
+    content = out.get("content")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
-    return message
+        out["content"] = separator.join(str(p.get("text", "")) for p in content)
+    return out

@@ -50,6 +50,7 @@ class Held:
 
     gpu_tokens: int = 0
     host_tokens: int = 0
+    reach_tokens: int = 0  # held, or being computed there by a request in flight: what it may hold by now
 
     @property
     def tokens(self) -> int:
@@ -65,6 +66,10 @@ class TokenIndex:
         self._host: dict[int, int] = {}  # our hash -> bitmask of replicas holding it on a host tier
         self.block_size: list[int | None] = [None] * replicas
         self._count: list[dict[str, int]] = [{} for _ in range(replicas)]  # blocks per tier, for metrics
+        self._pending: dict[int, int] = {}  # our hash -> bitmask: routed there, not yet reported (see `expect`)
+        self._pending_until: list[dict[int, float]] = [{} for _ in range(replicas)]
+        self._inflight: dict[int, int] = {}  # our hash -> bitmask: a request sent there is computing it
+        self._inflight_refs: list[dict[int, int]] = [{} for _ in range(replicas)]
 
     def size(self, replica: int) -> int:
         """Blocks the replica holds (any tier)."""
@@ -100,6 +105,8 @@ class TokenIndex:
         for theirs, h in zip(block_hashes, hashes):
             ours[theirs] = h
             self._add(replica, h, medium or GPU)
+            if h in self._pending_until[replica]:
+                self._unexpect(replica, h)  # reported: no longer a guess
         return True
 
     @staticmethod
@@ -137,9 +144,58 @@ class TokenIndex:
                     table[h] = left
                 else:
                     table.pop(h, None)
+        for h in list(self._pending_until[replica]):
+            self._unexpect(replica, h)
         self._media[replica].clear()
         self._ours[replica].clear()
         self._count[replica] = {m: 0 for m in self._count[replica]}
+
+    def expect(self, replica: int, hashes: list[int], until: float, now: float) -> None:
+        """`replica` computed these blocks (a request got its first byte there); count them as held until
+        `until` or until the engine reports them: events lag, and a second request must not miss them."""
+        bit, table, mine = 1 << replica, self._pending, self._pending_until[replica]
+        if len(mine) > 4 * len(hashes) + 1024:  # sweep the expired now and then
+            for h in [h for h, t in mine.items() if t < now]:
+                self._unexpect(replica, h)
+        for h in hashes:
+            table[h] = table.get(h, 0) | bit
+            mine[h] = until
+
+    def started(self, replica: int, hashes: list[int]) -> None:
+        """A request with these blocks was sent to `replica`: until `ended`, they bound what it may hold
+        (`Held.reach_tokens`) without counting as held, so routing does not follow a guess."""
+        refs, bit = self._inflight_refs[replica], 1 << replica
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+            self._inflight[h] = self._inflight.get(h, 0) | bit
+
+    def ended(self, replica: int, hashes: list[int]) -> None:
+        refs = self._inflight_refs[replica]
+        for h in hashes:
+            n = refs.get(h, 0) - 1
+            if n > 0:
+                refs[h] = n
+                continue
+            refs.pop(h, None)
+            left = self._inflight.get(h, 0) & ~(1 << replica)
+            if left:
+                self._inflight[h] = left
+            else:
+                self._inflight.pop(h, None)
+
+    def sweep(self, now: float) -> None:
+        """Drop expected blocks the engine never reported in time."""
+        for replica, mine in enumerate(self._pending_until):
+            for h in [h for h, t in mine.items() if t < now]:
+                self._unexpect(replica, h)
+
+    def _unexpect(self, replica: int, h: int) -> None:
+        self._pending_until[replica].pop(h, None)
+        left = self._pending.get(h, 0) & ~(1 << replica)
+        if left:
+            self._pending[h] = left
+        else:
+            self._pending.pop(h, None)
 
     # --- matching ----------------------------------------------------------------------
     def held(self, ids: array) -> list[Held]:
@@ -159,38 +215,40 @@ class TokenIndex:
         return out
 
     def _walk(self, hashes: list[int], size: int, alive: int, out: list[Held]) -> None:
-        """One pass along the chain: where each replica's run ends, and which of its blocks are on a host tier."""
-        gpu_table, host_table = self._gpu, self._host
+        """One pass along the chain: where each replica's run ends (held, and held or in flight), and which
+        of its held blocks are on a host tier."""
+        gpu_table, host_table, pending, inflight = self._gpu, self._host, self._pending, self._inflight
         depth_of: dict[int, int] = {}
+        reach_of: dict[int, int] = {}
         host_blocks: dict[int, int] = {}
+        reach = alive
         depth = 0
         for depth, h in enumerate(hashes):
-            gpu = gpu_table.get(h, 0) & alive
-            host = host_table.get(h, 0) & alive & ~gpu
+            on_gpu, on_host = gpu_table.get(h, 0) | pending.get(h, 0), host_table.get(h, 0)
+            gpu = on_gpu & alive
+            host = on_host & alive & ~gpu
             still = gpu | host
-            dropped = alive & ~still
-            while dropped:
-                low = dropped & -dropped
-                depth_of[low.bit_length() - 1] = depth
-                dropped ^= low
+            reaching = (on_gpu | on_host | inflight.get(h, 0)) & reach
+            _ended_at(alive & ~still, depth, depth_of)
+            _ended_at(reach & ~reaching, depth, reach_of)
             while host:  # rare without a host tier
                 low = host & -host
                 r = low.bit_length() - 1
                 host_blocks[r] = host_blocks.get(r, 0) + 1
                 host ^= low
-            alive = still
-            if not alive:
+            alive, reach = still, reaching
+            if not reach:
                 break
         else:
             depth = len(hashes)
-        while alive:  # replicas that hold the whole chain
-            low = alive & -alive
-            depth_of[low.bit_length() - 1] = depth
-            alive ^= low
+        _ended_at(alive, depth, depth_of)  # replicas whose run goes to the chain's end
+        _ended_at(reach, depth, reach_of)
         for r, d in depth_of.items():
             on_host = host_blocks.get(r, 0)
             out[r].gpu_tokens += (d - on_host) * size
             out[r].host_tokens += on_host * size
+        for r, d in reach_of.items():
+            out[r].reach_tokens += d * size
 
     # --- bookkeeping ---------------------------------------------------------------------
     def _add(self, replica: int, h: int, medium: str) -> None:
@@ -217,3 +275,11 @@ class TokenIndex:
                 table[h] = left
             else:
                 table.pop(h, None)
+
+
+def _ended_at(replicas: int, depth: int, into: dict[int, int]) -> None:
+    """Record `depth` for each replica in the bitmask."""
+    while replicas:
+        low = replicas & -replicas
+        into[low.bit_length() - 1] = depth
+        replicas ^= low

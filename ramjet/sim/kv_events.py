@@ -46,6 +46,8 @@ class Publisher:
         self.seq = 0  # the next batch's sequence number
         self.dropped = 0  # batches numbered but dropped on a full queue (a gap subscribers see)
         self.sent = 0
+        self.skip_live = 0  # test hooks (POST /sim/kv-loss): the next batches not sent live, but replayable,
+        self.lose = 0       # as a PUB socket drops for a slow subscriber; or lost outright, as on a full queue
         self._queue: queue.Queue = queue.Queue(maxsize=max(max_queue, 1))
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
@@ -70,6 +72,10 @@ class Publisher:
     def publish(self, payload: bytes) -> None:
         """Hand a batch to the thread; never blocks the caller."""
         seq, self.seq = self.seq, self.seq + 1
+        if self.lose > 0:  # test hook: as if the queue had been full (no replay has it either)
+            self.lose -= 1
+            self.dropped += 1
+            return
         try:
             self._queue.put_nowait((seq, payload))
         except queue.Full:
@@ -88,7 +94,10 @@ class Publisher:
                 except queue.Empty:
                     seq = None
                 if seq is not None:
-                    self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], copy=False)
+                    if self.skip_live > 0:
+                        self.skip_live -= 1
+                    else:
+                        self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], copy=False)
                     self._buffer.append((seq, payload))
                     self.sent += 1
                 while self._router is not None and self._router.poll(0):

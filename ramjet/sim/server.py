@@ -242,6 +242,25 @@ def build_app(config: SimConfig) -> Starlette:
     async def sim_requests(request: Request) -> Response:
         return _json({"requests": list(seen)})
 
+    async def sim_kv_loss(request: Request) -> Response:
+        """Test hook: the next `batches` event batches of `rank` are not sent live (`replayable`: the replay
+        still has them, as when a PUB socket drops for a slow subscriber) or are lost outright."""
+        try:
+            body = parse_body(await request.body())
+            rank, batches = body.get("rank"), body.get("batches")
+            if engine.publishers is None:
+                raise bad_request("this engine publishes no KV events")
+            if type(rank) is not int or not 0 <= rank < config.dp_size or type(batches) is not int or batches < 1:
+                raise bad_request(f"expected {{'rank': 0..{config.dp_size - 1}, 'batches': N >= 1, 'replayable': bool}}")
+        except ApiError as e:
+            return _error(e)
+        publisher = engine.publishers.events[rank].publisher
+        if body.get("replayable", True):
+            publisher.skip_live += batches
+        else:
+            publisher.lose += batches
+        return _json({"rank": rank, "skip_live": publisher.skip_live, "lose": publisher.lose})
+
     async def sim_faults(request: Request) -> Response:
         if request.method == "POST":
             try:
@@ -293,6 +312,7 @@ def build_app(config: SimConfig) -> Starlette:
         Route("/sim/stats", sim_stats, methods=["GET"]),
         Route("/sim/faults", sim_faults, methods=["GET", "POST"]),
         Route("/sim/requests", sim_requests, methods=["GET"]),
+        Route("/sim/kv-loss", sim_kv_loss, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})

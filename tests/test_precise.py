@@ -1,0 +1,194 @@
+"""Precise mode against the simulator's KV cache events, in both engines' wire formats (in process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from importlib.resources import files
+
+import httpx
+import pytest
+
+from harness import metric_sum, stack, until
+from ramjet.demo.sessions import run_sessions
+
+TOKENIZER = str(files("ramjet.sim") / "tokenizer")  # the simulator's own: the model's tokenizer, as deployed
+
+
+def free_ports(n: int) -> int:
+    """A base port with `n` consecutive free ports on 127.0.0.1 (rank r publishes on base + r)."""
+    for _ in range(50):
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+        probe.close()
+        held = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                held.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def precise_stack(fmt: str = "sglang", dp: int = 8, replay: bool = True, **extra):
+    events, replays = free_ports(dp), free_ports(dp)
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv" if fmt == "vllm" else "",
+              **({"replay_endpoint": f"tcp://127.0.0.1:{replays}"} if replay else {}), **extra.pop("events", {})}
+    if fmt == "vllm":
+        config["enable_kv_cache_events"] = True
+    rj = dict(kv_events="zmq", tokenizer=TOKENIZER, kv_events_silence_ms="2000")
+    if replay:
+        rj["kv_events_replay_endpoint"] = "tcp://{host}:%d" % replays
+    if fmt == "vllm":  # vLLM advertises nothing: the operator names the publishers
+        rj["kv_events_endpoint"] = "tcp://{host}:%d" % events
+    sim = {"kv_events_config": json.dumps(config), "kv_events_format": fmt, "dp_size": dp, **extra.pop("sim", {})}
+    return stack(sim=sim, **rj, **extra)
+
+
+async def all_precise(s, n: int = 8) -> bool:
+    return await s.metric("ramjet_kv_precise") == n
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_predictions_match_the_engines_cached_tokens_and_sessions_stick(fmt):
+    async with precise_stack(fmt) as s:
+        await until(lambda: all_precise(s), "every replica synced from its stream's start")
+        # Sessions start up to 0.3 s apart: a first turn sent while another session's first turn is still
+        # being read would find the shared prefix cached although nothing reported it yet (a race, not a miss).
+        report = await run_sessions("http://ramjet", sessions=16, turns=6, seed=3, tool_s=0.3, transport=s.transport)
+        assert report.failures == 0 and report.stickiness >= 0.95, report.describe()
+        agreed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="true")
+        missed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="false")
+        assert agreed / (agreed + missed) >= 0.95, (agreed, missed)
+        assert await all_precise(s)  # nothing made a replica fall back
+        assert await s.metric("ramjet_kv_events_total", type="BlockStored") > 0
+        assert await s.metric("ramjet_kv_resident_tokens", medium="GPU") > 0
+
+
+async def test_after_the_engine_evicts_a_session_precise_mode_stops_crediting_its_rank():
+    # A small cache: one rank is flooded with other prompts until the session's history is evicted.
+    async with precise_stack(sim={"kv_tokens_per_rank": 16_384}) as s:
+        await until(lambda: all_precise(s), "every replica synced")
+        session = {"model": "glm-5.3", "messages": [{"role": "user", "content": "remember this " * 600}],
+                   "max_tokens": 4}
+        home = int((await s.client.post("/v1/chat/completions", json=session)).headers["x-ramjet-upstream"])
+        precise = s.balancer.precise
+        assert (await precise.match("chat", session)).held[home].gpu_tokens > 1000
+        approximate_before = s.balancer.router.index.overlaps(
+            s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8, advance=False).fingerprint.blocks)[home]
+        for k in range(6):  # straight to the engine, pinned to the session's rank: fills its 16K-token pool
+            await s.engine_clients[0].post("/v1/chat/completions", json={
+                "model": "glm-5.3", "messages": [{"role": "user", "content": f"flood {k} " * 1500}],
+                "max_tokens": 1, "routed_dp_rank": home})
+
+        async def evicted():
+            return (await precise.match("chat", session)).held[home].gpu_tokens == 0
+        await until(evicted, "the engine's removals reached the index")
+        decision = s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8, advance=False)
+        assert decision.overlaps[home] == approximate_before > 0  # the approximate index still believes it
+
+
+async def send_turns(s, n: int, seed: int) -> None:
+    report = await run_sessions("http://ramjet", sessions=16, turns=n, seed=seed, tool_s=0.3, transport=s.transport)
+    assert report.failures == 0, report.describe()
+
+
+async def test_a_gap_is_filled_from_the_replay_and_the_replica_stays_precise():
+    async with precise_stack() as s:
+        await until(lambda: all_precise(s), "every replica synced")
+        for rank in range(8):  # the next two batches of every rank never arrive live (a PUB drop)
+            await s.engine_clients[0].post("/sim/kv-loss", json={"rank": rank, "batches": 2})
+        await send_turns(s, 3, seed=6)
+        await until(lambda: s.metric("ramjet_kv_stream_states_total", kind="gap"), "a gap was seen")
+        assert await s.metric("ramjet_kv_stream_states_total", kind="partial") == 0  # the replay had them
+        assert await all_precise(s)
+        agreed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="true")
+        missed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="false")
+        assert agreed / (agreed + missed) >= 0.95, (agreed, missed)
+
+
+async def test_a_batch_lost_beyond_the_replay_falls_back_until_predictions_agree_again():
+    async with precise_stack() as s:
+        await until(lambda: all_precise(s), "every replica synced")
+        messages = [{"role": "user", "content": "a long task " * 400}]
+
+        async def turn() -> int:
+            r = await s.client.post("/v1/chat/completions", json={"model": "glm-5.3", "messages": messages,
+                                                                  "max_tokens": 4})
+            assert r.status_code == 200
+            messages.extend([r.json()["choices"][0]["message"], {"role": "user", "content": "more work " * 300}])
+            return int(r.headers["x-ramjet-upstream"])
+
+        home = await turn()
+        await s.engine_clients[0].post("/sim/kv-loss", json={"rank": home, "batches": 1, "replayable": False})
+        partial = dict(kind="partial", upstream=str(home))
+        for _ in range(10):  # the lost batch shows as a gap once a later batch arrives; no replay has it
+            assert await turn() == home
+            if await s.metric("ramjet_kv_stream_states_total", **partial):
+                break
+        assert await s.metric("ramjet_kv_stream_states_total", **partial) == 1
+        precise = s.balancer.precise
+        for _ in range(6):  # predictions that agree with the engine earn the replica its trust back
+            await turn()
+        assert precise.report(home)["mode"] == "precise", precise.report(home)
+
+
+async def test_a_silent_stream_falls_back_and_recovers():
+    async with precise_stack(dp=2) as s:
+        await until(lambda: all_precise(s, 2), "both replicas synced")
+        precise = s.balancer.precise
+        precise.trust[0].owed(0.0)  # as if rank 0 answered a request long ago and never reported its blocks
+        assert (await precise.match("chat", {"messages": [{"role": "user", "content": "x"}]})).shares[0] is None
+        assert precise.report(0)["reason"] == "silent"
+        await s.client.post("/v1/chat/completions", json={"model": "glm-5.3", "max_tokens": 1, "messages": [
+            {"role": "user", "content": "speak " * 400}], "routed_dp_rank": 0})  # the balancer's pin wins
+        await until(lambda: precise.report(0)["mode"] == "precise" or precise.report(1)["mode"] == "precise",
+                    "a batch arrived")
+        for _ in range(4):  # whichever rank answered, its stream spoke; a batch clears rank 0's debt too
+            await s.chat("speak again " * 400, max_tokens=1)
+        await until(lambda: precise.report(0)["mode"] == "precise", "rank 0 trusted again once its stream spoke")
+
+
+async def test_without_events_the_balancer_routes_approximately():
+    # The engine publishes nothing: every replica stays on the approximate index, and routing still works.
+    async with stack(kv_events="zmq", tokenizer=TOKENIZER) as s:
+        report = await run_sessions("http://ramjet", sessions=8, turns=4, seed=5, tool_s=0.0, transport=s.transport)
+        assert report.failures == 0 and report.stickiness >= 0.9, report.describe()
+        assert await s.metric("ramjet_kv_precise") == 0
+        # discovery runs beside the traffic; under load it may end after it
+        await until(lambda: s.balancer.precise.report(0)["reason"] == "no event publisher", "no publisher reported")
+
+
+def test_an_engine_restart_clears_what_its_replicas_held(start_sim, start_balancer):
+    events, replays = free_ports(8), free_ports(8)
+    flags = ("--time-scale", "50", "--kv-events-config", json.dumps({
+        "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replays}"}))
+    sim_url, sim = start_sim(*flags)
+    port = int(sim_url.rsplit(":", 1)[1])
+    url, _ = start_balancer(upstream=sim_url, upstream_dp_size="auto", kv_events="zmq", tokenizer=TOKENIZER,
+                            kv_events_replay_endpoint="tcp://{host}:%d" % replays, health_interval_ms="60000")
+
+    def resident() -> float:
+        return metric_sum(httpx.get(url + "/metrics", timeout=5).text, "ramjet_kv_resident_tokens", medium="GPU")
+
+    def dropped() -> float:
+        return metric_sum(httpx.get(url + "/metrics", timeout=5).text, "ramjet_kv_stream_states_total",
+                          kind="disconnected")
+
+    asyncio.run(run_sessions(url, sessions=8, turns=2, seed=8, tool_s=0.1))
+    before = resident()
+    assert before > 0 and dropped() == 0
+    sim.kill()
+    start_sim(*flags, port=port)  # the engine comes back on the same ports, between health probes, caches empty
+    asyncio.run(until(lambda: dropped() >= 8, "every rank's event stream seen dropping"))
+    assert resident() == 0
+    asyncio.run(run_sessions(url, sessions=2, turns=1, seed=9, tool_s=0.1))  # the new streams refill the index
+    asyncio.run(until(lambda: resident() > 0, "the restarted engine's blocks reported"))
