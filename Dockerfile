@@ -18,7 +18,8 @@ COPY ramjet/balancer ./ramjet/balancer
 COPY ramjet/kvevents ./ramjet/kvevents
 RUN pip install . \
     && rm -rf /src \
-    && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ramjet
+    && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ramjet \
+    && mkdir -p /var/lib/ramjet && chown ramjet:ramjet /var/lib/ramjet
 
 WORKDIR /
 USER ramjet

@@ -64,13 +64,35 @@ async def serve_in_process(app) -> AsyncIterator[str]:
         sock.close()
 
 
+class BalancerTransport(httpx.AsyncBaseTransport):
+    """The balancer's app as an httpx transport, which a restart points at the new balancer."""
+
+    def __init__(self, balancer: Balancer):
+        self.to(balancer)
+
+    def to(self, balancer: Balancer) -> None:
+        self.app = BalancerApp(balancer)  # tests that speak ASGI to it directly
+        self.inner = httpx.ASGITransport(app=self.app)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.inner.handle_async_request(request)
+
+
 @dataclass
 class Stack:
     client: httpx.AsyncClient        # talks to the balancer's app
     balancer: Balancer
     engines: list[Engine]            # the simulators' engines (faults, stats)
     engine_clients: list[httpx.AsyncClient]  # straight to each simulator
-    transport: httpx.AsyncBaseTransport  # the balancer's app, for run_sessions(transport=...)
+    transport: BalancerTransport     # the balancer's app, for run_sessions(transport=...)
+    probes: bool = False
+
+    async def restart_balancer(self) -> None:
+        """Stop the balancer (as SIGTERM would) and start a new one with the same settings and replicas."""
+        await self.balancer.stop()
+        self.balancer = build_balancer(self.balancer.settings, self.balancer.replicas, probes=self.probes)
+        await self.balancer.start()
+        self.transport.to(self.balancer)
 
     async def health(self) -> dict:
         return (await self.client.get("/health")).json()
@@ -101,12 +123,13 @@ async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False,
         replicas = await build_replicas(settings)
         balancer = build_balancer(settings, replicas, probes=probes)
         await balancer.start()
-        es.push_async_callback(balancer.stop)
-        transport = httpx.ASGITransport(app=BalancerApp(balancer))
+        transport = BalancerTransport(balancer)
         client = await es.enter_async_context(httpx.AsyncClient(transport=transport, base_url="http://ramjet",
                                                                 timeout=30))
         direct = [await es.enter_async_context(httpx.AsyncClient(base_url=u, timeout=30)) for u in urls]
-        yield Stack(client, balancer, [a.state.engine for a in apps], direct, transport)
+        s = Stack(client, balancer, [a.state.engine for a in apps], direct, transport, probes)
+        es.push_async_callback(lambda: s.balancer.stop())
+        yield s
 
 
 async def until(predicate, what: str, timeout: float = 20.0, interval: float = 0.02):

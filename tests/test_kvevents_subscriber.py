@@ -238,13 +238,38 @@ async def test_start_up_replays_from_zero_drops_duplicates_and_says_partial(engi
     stream.close()
 
 
-async def test_resuming_from_a_known_sequence_asks_from_there(engines, ctx):
+def ts_of(seq: int, epoch: int = 0) -> float:
+    return msgpack.unpackb(batch_payload(seq, epoch))[0]
+
+
+async def test_a_resumed_stream_is_vouched_for_by_its_last_batch(engines, ctx):
     engine = engines(framing="sglang")
     await engine.publish(5)
-    stream = EventStream(engine.endpoints(), context=ctx, start_seq=3)
+    stream = EventStream(engine.endpoints(), context=ctx, resume=(2, ts_of(2)))  # saved after batch 2
     items, first = await started(engine, stream)
     assert [(await asyncio.wait_for(first, WAIT_S)).seq] + await take(items, 1) == [3, 4]
-    assert engine.replay_requests == [3]
+    assert engine.replay_requests == [2] and stream.complete is True and stream.last == (4, ts_of(4))
+    stream.close()
+
+
+async def test_a_resumed_stream_whose_last_batch_is_gone_is_partial(engines, ctx):
+    engine = engines(framing="vllm", buffer_steps=2)
+    await engine.publish(5)  # the buffer holds 3 and 4
+    stream = EventStream(engine.endpoints(), context=ctx, resume=(2, ts_of(2)))
+    items, first = await started(engine, stream)
+    assert [(await asyncio.wait_for(first, WAIT_S)).seq] + await take(items, 2) == [3, 4, "partial"]
+    assert stream.complete is False
+    stream.close()
+
+
+async def test_a_resumed_stream_from_a_restarted_engine_is_a_restart(engines, ctx):
+    engine = engines(framing="vllm")
+    engine.epoch = 1  # the engine restarted since the view was saved, and has numbered past batch 2 again
+    await engine.publish(4)
+    stream = EventStream(engine.endpoints(), context=ctx, resume=(2, ts_of(2, epoch=0)))
+    items, first = await started(engine, stream)
+    got = [(await asyncio.wait_for(first, WAIT_S)).kind] + await take(items, 3)
+    assert got == ["restart", "partial", 2, 3] and stream.complete is False
     stream.close()
 
 
@@ -369,3 +394,23 @@ def test_sequencer_tells_a_restart_from_a_replayed_duplicate_by_timestamp():
     assert fresh.replayed(12, 12.0) is Verdict.HOLE and fresh.live(1, 1.0) is Verdict.RESTART
     with pytest.raises(ValueError):
         Sequencer(start_seq=-1)
+
+
+async def test_a_bound_stream_receives_from_a_publisher_that_connects(ctx):
+    # vLLM's publisher connects to a non-wildcard endpoint: the subscriber binds it.
+    from ramjet.demo.procs import free_port
+    port = free_port()
+    stream = EventStream(Endpoints(events=f"tcp://127.0.0.1:{port}", topic=b"kv", bind=True), context=ctx)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    pub = ctx.socket(zmq.XPUB)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        (message,) = await asyncio.wait_for(pub.recv_multipart(), WAIT_S)  # the subscription came through
+        assert message == b"\x01kv"
+        for seq in range(2):
+            await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), batch_payload(seq)])
+        assert [(await asyncio.wait_for(first, WAIT_S)).kind] + await take(items, 2) == ["live", 0, 1]
+    finally:
+        pub.close(linger=0)
+        stream.close()

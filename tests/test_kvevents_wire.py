@@ -295,6 +295,13 @@ def test_operator_templates_and_index_aligned_lists():
     assert from_operator(listed, "http://b:1", 0, 1).events == "tcp://a:5558"
 
 
+def test_an_events_address_marked_with_at_is_bound_for_publishers_that_connect():
+    ends = from_operator("@tcp://127.0.0.1:47557", "http://127.0.0.1:8000", 1, 1, replay="tcp://{host}:47657")
+    assert (ends.events, ends.bind, ends.replay) == ("tcp://127.0.0.1:47558", True, "tcp://127.0.0.1:47658")
+    assert from_operator("@tcp://*:5557", "http://node-a:8000", 0, 0).events == "tcp://*:5557"  # kept: bound
+    assert not from_operator("tcp://*:5557", "http://node-a:8000", 0, 0).bind
+
+
 @pytest.mark.parametrize("setting, url, rank, index, message", [
     ("", "http://e:1", 0, 0, "empty"),
     ("tcp://{host}:5557", "not a url", 0, 0, "has no host"),

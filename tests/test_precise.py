@@ -157,10 +157,61 @@ async def test_a_silent_stream_falls_back_and_recovers():
         await until(lambda: precise.report(0)["mode"] == "precise", "rank 0 trusted again once its stream spoke")
 
 
+async def sessions_across_a_balancer_restart(s, seed: int) -> tuple[float, float]:
+    """Eight sessions take three turns, the balancer restarts, they take a fourth: (the share of sessions
+    whose fourth turn went where their third did, the fewest event batches a rank serving them had sent)."""
+    arrived, restarted = [], asyncio.Event()
+
+    async def pause() -> None:
+        arrived.append(1)
+        await restarted.wait()
+
+    run = asyncio.create_task(run_sessions("http://ramjet", sessions=8, turns=4, seed=seed, tool_s=0.1,
+                                           transport=s.transport, pause_after=3, pause=pause))
+    await until(lambda: len(arrived) == 8 or run.done(), "every session at the pause")
+    batches = {str(i): await s.metric("ramjet_kv_event_batches_total", upstream=str(i)) for i in range(8)}
+    await s.restart_balancer()
+    if s.balancer.precise is not None:
+        await until(lambda: all(s.balancer.precise.report(i)["reason"] != "starting" for i in range(8)),
+                    "every stream resumed, or found it cannot")
+    restarted.set()
+    report = await run
+    assert report.failures == 0, report.describe()
+    history = min(batches[r[2]] for r in report.routes.values())
+    return sum(r[2] == r[3] for r in report.routes.values()) / len(report.routes), history
+
+
+@pytest.mark.parametrize("mode", ["precise", "approximate"])
+async def test_a_restarted_balancer_keeps_every_session_on_its_rank(tmp_path, mode):
+    # The replay buffer (2 batches per rank) is shorter than the run's history: only the saved
+    # state (RJ_STATE_FILE) can tell the new balancer where the sessions live; the engine vouches for it.
+    rj = {"state_file": tmp_path / "state", "sim": {"kv_tokens_per_rank": 400_000}}
+    built = precise_stack(events={"buffer_steps": 2}, **rj) if mode == "precise" else stack(**rj)
+    async with built as s:
+        if mode == "precise":
+            await until(lambda: all_precise(s), "every replica synced")
+        stickiness, history = await sessions_across_a_balancer_restart(s, seed=11)
+        print(f"stickiness across the restart, {mode}: {stickiness:.0%}")
+        assert stickiness >= 0.95
+        if mode == "precise":
+            assert history > 2  # every serving rank's history is longer than its replay buffer
+            assert await s.metric("ramjet_kv_stream_states_total", kind="partial") == 0  # resumed, vouched for
+            assert await all_precise(s)
+
+
+async def test_without_a_saved_state_a_short_replay_cannot_rebuild_the_view():
+    async with precise_stack(events={"buffer_steps": 2}) as s:
+        await until(lambda: all_precise(s), "every replica synced")
+        stickiness, _ = await sessions_across_a_balancer_restart(s, seed=12)
+        print(f"stickiness across the restart, precise mode without a state file: {stickiness:.0%}")
+        assert await s.metric("ramjet_kv_stream_states_total", kind="partial") >= 1
+        assert stickiness < 0.95
+
+
 async def test_without_events_the_balancer_routes_approximately():
     # The engine publishes nothing: every replica stays on the approximate index, and routing still works.
     async with stack(kv_events="zmq", tokenizer=TOKENIZER) as s:
-        report = await run_sessions("http://ramjet", sessions=8, turns=4, seed=5, tool_s=0.0, transport=s.transport)
+        report = await run_sessions("http://ramjet", sessions=8, turns=4, seed=5, tool_s=0.3, transport=s.transport)
         assert report.failures == 0 and report.stickiness >= 0.9, report.describe()
         assert await s.metric("ramjet_kv_precise") == 0
         # discovery runs beside the traffic; under load it may end after it

@@ -194,10 +194,13 @@ def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
             time.sleep(0.3)  # the subscription reaches the publisher just after the connection
             rows = run_sessions(eng, subs, ranks)
             replays = [replay(ctx, replay_port + r) for r in (0, 1)]
+            for sock in subs + monitors:  # the balancer binds the event ports next; the publishers reconnect
+                sock.close(linger=0)
+            balanced, agreement = through_the_balancer(eng, tmp_path)
         total_s = time.monotonic() - t0
     finally:
-        for s in subs + monitors:
-            s.close(linger=0)
+        for sock in subs + monitors:
+            sock.close(linger=0)
         ctx.term()
 
     print(f"\nreal vLLM: setup {setup_s:.1f}s, engine start {eng.start_seconds:.1f}s, whole test {total_s:.1f}s")
@@ -224,6 +227,59 @@ def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
         other = ranks[1 - s]
         first_block = next(p for p in ev.resident if len(p) == BS)
         assert first_block not in other.resident, f"session {s}'s first block is on both ranks"
+
+    # The balancer in precise mode, on the same engine: its predictions are the engine's figures,
+    # and its sessions are cached as well as the hand-pinned ones.
+    pinned = sum(row[3] for row in rows) / sum(row[2] for row in rows)
+    ratio = sum(c for _, _, _, c in balanced) / sum(p for _, _, p, _ in balanced)
+    print(f"  through the balancer (precise mode): cache ratio {ratio:.1%} vs hand-pinned {pinned:.1%}; "
+          f"predictions within a block: {agreement[0]:.0f} of {agreement[0] + agreement[1]:.0f}")
+    for session, turn, prompt, cached in balanced:
+        print(f"    session {session} turn {turn}: prompt_tokens {prompt}, cached_tokens {cached}")
+    assert agreement[0] + agreement[1] >= len(balanced) - 2, "the balancer compared too few predictions"
+    assert agreement[0] / (agreement[0] + agreement[1]) >= 0.95, agreement
+    assert ratio >= 0.98 * pinned, (ratio, pinned)
+
+
+def through_the_balancer(eng, tmp_path) -> tuple[list[tuple], tuple[float, float]]:
+    """Two new sessions, TURNS turns each, through `ramjet serve` in precise mode on the engine's events;
+    returns (session, turn, prompt_tokens, cached_tokens) per turn and (agreed, missed) predictions."""
+    from harness import metric_sum
+
+    port = procs.free_port()
+    env = {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2", "RJ_KV_EVENTS": "zmq", "RJ_KV_EVENTS_TOPIC": "kv",
+           "RJ_KV_EVENTS_ENDPOINT": f"@tcp://127.0.0.1:{eng.kv_port}",  # vLLM's publishers connect: bind
+           "RJ_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{eng.replay_port}",
+           "RJ_TOKENIZER": str(ENGINE_DIR / "model")}
+    balancer = procs.start_balancer(port, env, log_path=tmp_path / "balancer.log", timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    out = []
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            def precise() -> float:
+                return metric_sum(client.get("/metrics").text, "ramjet_kv_precise")
+            deadline = time.monotonic() + 30
+            while precise() < 2:  # both ranks' streams replayed from their start
+                assert time.monotonic() < deadline, "the balancer never trusted both ranks' streams"
+                time.sleep(0.2)
+            history: dict[int, list[dict]] = {2: [], 3: []}
+            for turn in range(TURNS):
+                for session in (2, 3):
+                    messages = history[session] + [{"role": "user", "content": user_text(session, turn)}]
+                    resp = client.post("/v1/chat/completions", json={
+                        "model": eng.model, "messages": messages, "max_tokens": 24, "temperature": 0})
+                    assert resp.status_code == 200, resp.text
+                    usage = resp.json()["usage"]
+                    out.append((session, turn, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
+                    answer = resp.json()["choices"][0]["message"]["content"]
+                    history[session] = messages + [{"role": "assistant", "content": answer}]
+                    time.sleep(0.3)  # the engine reports the turn's blocks before the session's next turn
+            text = client.get("/metrics").text
+    finally:
+        balancer.stop()
+    agreed = metric_sum(text, "ramjet_prefix_predictions_total", mode="precise", agreed="true")
+    missed = metric_sum(text, "ramjet_prefix_predictions_total", mode="precise", agreed="false")
+    return out, (agreed, missed)
 
 
 def run_sessions(eng, subs, ranks) -> list[tuple]:
@@ -252,3 +308,53 @@ def run_sessions(eng, subs, ranks) -> list[tuple]:
                 rows.append((r, turn, len(ids), cached, predicted, len(ranks[r].prefix_of)))
                 history[r] = messages + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
     return rows
+
+
+HF_RENDER = """
+import json, sys
+from transformers import AutoTokenizer
+request = json.load(sys.stdin)
+tokenizer = AutoTokenizer.from_pretrained(request["dir"])
+out = []
+for body in request["bodies"]:
+    ids = tokenizer.apply_chat_template(body["messages"], tools=body.get("tools"), tokenize=True,
+                                        add_generation_prompt=body.get("add_generation_prompt", True),
+                                        **(body.get("chat_template_kwargs") or {}))
+    out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_balancer_renders_chat_templates_as_hugging_face_does():
+    """The corpus of tests/test_prompt_tokens.py, rendered by `transformers` (in the engine's environment)."""
+    import json
+    import subprocess
+
+    from ramjet.balancer.precise import load_tokenizer
+    from test_prompt_tokens import TOKENIZER, corpus
+
+    try:
+        paths = real_vllm.setup(ENGINE_DIR)
+    except real_vllm.CannotInstall as e:
+        loud_skip(str(e).splitlines()[0])
+
+    def as_vllm_prepares(body: dict) -> dict:
+        """What vLLM hands the template: text parts joined with "\n", null fields left out."""
+        def prepared(m: dict) -> dict:
+            m = {k: v for k, v in m.items() if v is not None}
+            if isinstance(m.get("content"), list):
+                m["content"] = "\n".join(p["text"] for p in m["content"])
+            return m
+        return {**body, "messages": [prepared(m) for m in body["messages"]]}
+
+    bodies = corpus()
+    for directory in (str(TOKENIZER), str(ENGINE_DIR / "model")):  # the simulator's and the real model's
+        answer = subprocess.run([str(paths.python), "-c", HF_RENDER], capture_output=True, text=True, timeout=120,
+                                input=json.dumps({"dir": directory, "bodies": [as_vllm_prepares(b) for b in bodies]}),
+                                env=real_vllm.clean_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+        assert answer.returncode == 0, answer.stderr[-3000:]
+        ours = load_tokenizer(directory)  # the part separator defaults to vLLM's
+        for body, theirs in zip(bodies, json.loads(answer.stdout)):
+            assert list(ours.prompt_ids("chat", body)) == theirs, (directory, body["messages"][-1])

@@ -23,6 +23,8 @@ BUNDLE = ROOT / "deploy" / "glm53_h200"
 COMPOSE = BUNDLE / "docker-compose.yaml"
 MODEL_DIR = ROOT / "tests" / "fixtures" / "glm53"
 BUNDLE_VARS = sorted(set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", COMPOSE.read_text())))
+PRECISE_RULES = ("precise-mode", "tokenizer-mount", "kv-events-config", "kv-events-ports", "kv-events-unpublished",
+                 "kv-endpoints")
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +67,11 @@ def test_shipped_bundle_passes(capsys):
     for rule in ("rank-map", "dp-attention", "fp8-kv", "mem-fraction", "chunked-prefill", "running-requests",
                  "rank-probe", "affinity", "health", "metrics", "tokenizer-workers", "upstream-token",
                  "loopback-ports", "model-readonly", "pinned-images", "balancer-config", "upstream-url",
-                 "parallel-sizes", "expert-parallel", "eagle", "hicache", "engine-keys", "sglang-version"):
+                 "parallel-sizes", "expert-parallel", "eagle", "hicache", "engine-keys", "sglang-version",
+                 *PRECISE_RULES):
         assert f"OK {rule}:" in out
     assert "SKIP hicache-ram:" in out
-    assert "OK: 23 rules pass" in out
+    assert "OK: 29 rules pass" in out
 
 
 def test_shipped_bundle_passes_as_a_subprocess():
@@ -76,7 +79,7 @@ def test_shipped_bundle_passes_as_a_subprocess():
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "OK: 23 rules pass" in p.stdout
+    assert "OK: 29 rules pass" in p.stdout
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env={**env, "GLM_MEM_FRACTION": "0.88"}, cwd=ROOT, timeout=60)
     assert p.returncode == 1
@@ -100,7 +103,8 @@ EDITS = [
     ("running-requests", "${GLM_MAX_RUNNING_REQUESTS:-128}", "${GLM_MAX_RUNNING_REQUESTS:-256}", "= 128, got 256"),
     ("fp8-kv", "--kv-cache-dtype, fp8_e4m3", "--kv-cache-dtype, auto", "got auto"),
     ("metrics", "      --enable-cache-report,\n", "", "--enable-cache-report missing"),
-    ("model-readonly", "/models/GLM-5.3}:/models/GLM-5.3:ro", "/models/GLM-5.3}:/models/GLM-5.3", "read-only"),
+    ("model-readonly", "/models/GLM-5.3:ro\n      - kernel-cache", "/models/GLM-5.3\n      - kernel-cache",
+     "read-only"),
     ("pinned-images", "prom/prometheus:v2.53.0}", "prom/prometheus:latest}", "prometheus (prom/prometheus:latest)"),
     ("upstream-url", "RJ_UPSTREAM: http://engine:30000,", "RJ_UPSTREAM: http://engine:30001,",
      "entry 0 (http://engine:30001)"),
@@ -117,6 +121,49 @@ EDITS = [
      "must both equal the GPU count (8, see --gpus), got 4 and 8"),
     ("engine-keys", "--tool-call-parser, glm47,\n", "--tool-call-parser, glm47,\n      --admin-api-key, a,\n",
      "--admin-api-key with 4 tokenizer workers: SGLang asserts there is no API key"),
+    # precise mode: the engine publishes its KV events, the balancer reads them with the model's tokenizer
+    ("precise-mode", "RJ_KV_EVENTS: zmq", 'RJ_KV_EVENTS: "off"',
+     "service ramjet: RJ_KV_EVENTS must be zmq, got off: the engine publishes its KV events"),
+    ("tokenizer-mount", "/models/GLM-5.3:ro\n    ports:", "/models/GLM-5.3\n    ports:",
+     "service ramjet must mount /models/GLM-5.3 (RJ_TOKENIZER=/models/GLM-5.3) read-only (:ro)"),
+    ("tokenizer-mount", "- ${GLM_MODEL_DIR:-/models/GLM-5.3}:/models/GLM-5.3:ro\n    ports:",
+     "- /models/GLM-5.2:/models/GLM-5.3:ro\n    ports:",
+     "is /models/GLM-5.2 outside the container, but the engine reads the model from /models/GLM-5.3"),
+    ("tokenizer-mount", "RJ_TOKENIZER: /models/GLM-5.3", "RJ_TOKENIZER: /tokenizer",
+     "RJ_TOKENIZER=/tokenizer is not inside a volume of service ramjet"),
+    ("kv-events-config", '"publisher":"zmq"', '"publisher":"null"', """publisher must be "zmq", got 'null'"""),
+    ("kv-events-config", '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://127.0.0.1:5557"',
+     "endpoint 'tcp://127.0.0.1:5557' must bind every interface (tcp://*:5557)"),
+    ("kv-events-config", '"replay_endpoint":"tcp://*:5657"', '"replay_endpoint":"tcp://localhost:5657"',
+     "replay_endpoint 'tcp://localhost:5657' must bind every interface"),
+    ("kv-events-config", ',"replay_endpoint":"tcp://*:5657"', "", "--kv-events-config has no replay_endpoint"),
+    ("kv-events-config", '"buffer_steps":10000}', '"buffer_steps":10000', "--kv-events-config is not valid JSON"),
+    ("kv-events-config", '"buffer_steps"', '"buffer-steps"', "unknown key(s) buffer-steps: SGLang ignores them"),
+    ("kv-events-config", "      --kv-events-config, '", "      --kv-events-confg, '",
+     "the balancer routes on KV events (RJ_KV_EVENTS=zmq) but the engine has no --kv-events-config"),
+    ("kv-events-ports", '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://*:5650"',
+     "endpoint ports 5650..5657 (the port + rank for --dp-size 8) overlap replay_endpoint ports 5657..5664"),
+    ("kv-events-ports", "--tool-call-parser, glm47,\n", '--tool-call-parser, glm47,\n      --nccl-port, "5664",\n',
+     "replay_endpoint ports 5657..5664 (the port + rank for --dp-size 8) overlap --nccl-port 5664"),
+    ("kv-events-ports", '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://*:30230"',
+     ("endpoint ports 30230..30237 (the port + rank for --dp-size 8) overlap SGLang's DP-attention ports "
+      "30233..30239 (--port + 233)")),
+    ("kv-events-ports", '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://*:65530"',
+     "endpoint ports 65530..65537 run past 65535"),
+    ("kv-events-ports", "--tool-call-parser, glm47,\n",
+     "--tool-call-parser, glm47,\n      --dist-init-addr, 127.0.0.1:5655,\n",
+     "replay_endpoint ports 5657..5664 (the port + rank for --dp-size 8) overlap --dist-init-addr's ports 5655..5661"),
+    ("kv-events-unpublished", ":30000\"\n    #", ':30000"\n      - "127.0.0.1:5657:5657"\n    #',
+     "service engine publishes KV event ports to the host in ports: (127.0.0.1:5657->5657)"),
+    ("kv-events-unpublished", ":30000\"\n    #", ':30000"\n      - "127.0.0.1:5500-5560:5500-5560"\n    #',
+     "(127.0.0.1:5500-5560->5500-5560)"),
+    ("kv-endpoints", '"tcp://{host}:5657"', '"tcp://{host}:5658"',
+     ("RJ_KV_EVENTS_REPLAY_ENDPOINT 'tcp://{host}:5658' has port 5658, but the engine's --kv-events-config "
+      "replay_endpoint is on 5657")),
+    ("kv-endpoints", '"tcp://{host}:5657"', '"tcp://127.0.0.1:5657"', "does not reach service engine"),
+    ("kv-endpoints", "RJ_KV_EVENTS: zmq\n", 'RJ_KV_EVENTS: zmq\n      RJ_KV_EVENTS_ENDPOINT: "tcp://engine:5657"\n',
+     ("RJ_KV_EVENTS_ENDPOINT 'tcp://engine:5657' has port 5657, but the engine's --kv-events-config endpoint is "
+      "on 5557")),
 ]
 
 
@@ -296,6 +343,108 @@ def test_bundle_without_engine_fails_services(tmp_path, capsys):
     assert rc == 1 and failed_rules(out) == {"services"}
 
 
+# --- precise mode: the engine's KV events and the balancer that reads them -------------------
+
+def test_publishing_on_the_engine_port_fails_both_port_rules(bundle, capsys):
+    edit(bundle, '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://*:29995"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    # 29995..30002 takes the API port, which the bundle also publishes to the host
+    assert rc == 1 and failed_rules(out) == {"kv-events-ports", "kv-events-unpublished"}, out
+    assert "endpoint ports 29995..30002 (the port + rank for --dp-size 8) overlap --port 30000" in out
+
+
+def test_precise_mode_without_a_tokenizer_fails(bundle, capsys):
+    edit(bundle, "      RJ_TOKENIZER: /models/GLM-5.3\n", "")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    # the balancer itself refuses to start, and the precise-mode rule says why it needs one
+    assert rc == 1 and failed_rules(out) == {"balancer-config", "precise-mode"}, out
+    assert "RJ_TOKENIZER is not set: precise routing tokenizes every request as the engine does" in out
+    assert "SKIP tokenizer-mount: RJ_TOKENIZER not set (see precise-mode)" in out
+
+
+def test_approximate_bundle_skips_the_precise_rules(bundle, capsys):
+    edit(bundle, "      --kv-events-config, '", "      # --kv-events-config, '")
+    edit(bundle, "RJ_KV_EVENTS: zmq", 'RJ_KV_EVENTS: "off"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0, out
+    for rule in ("precise-mode", "kv-events-config", "kv-events-ports", "kv-events-unpublished", "kv-endpoints"):
+        assert f"SKIP {rule}: approximate mode: the engine publishes no KV events" in out
+    assert "OK tokenizer-mount:" in out  # RJ_TOKENIZER is still set, and still the served model's
+    assert "OK: 24 rules pass" in out
+
+
+def test_balancer_routing_on_events_the_engine_does_not_publish_fails(bundle, capsys):
+    edit(bundle, "      --kv-events-config, '", "      # --kv-events-config, '")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"kv-events-config"}, out
+    for rule in ("kv-events-ports", "kv-events-unpublished", "kv-endpoints"):
+        assert f"SKIP {rule}: no usable --kv-events-config (see kv-events-config)" in out
+
+
+@pytest.mark.parametrize("wrong,mention", [
+    (None, None),
+    (3, ("RJ_KV_EVENTS_REPLAY_ENDPOINT entry 3 'tcp://engine:5661' has port 5661, but the engine's "
+         "--kv-events-config replay_endpoint is on 5660")),
+])
+def test_endpoint_lists_name_each_rank_port(bundle, capsys, wrong, mention):
+    """A comma list gives every upstream its full address: rank r's port is the base + r."""
+    ports = [5657 + r + (r == wrong) for r in range(8)]
+    edit(bundle, '"tcp://{host}:5657"', '"' + ",".join(f"tcp://engine:{p}" for p in ports) + '"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    if wrong is None:
+        assert rc == 0 and "OK kv-endpoints: RJ_KV_EVENTS_REPLAY_ENDPOINT reaches the engine's replay_endpoint" in out
+    else:
+        assert rc == 1 and failed_rules(out) == {"kv-endpoints"} and mention in out
+
+
+def test_no_balancer_endpoints_skips_kv_endpoints(bundle, capsys):
+    edit(bundle, '      RJ_KV_EVENTS_REPLAY_ENDPOINT: "tcp://{host}:5657"\n', "")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0, out
+    assert "SKIP kv-endpoints: RJ_KV_EVENTS_ENDPOINT and RJ_KV_EVENTS_REPLAY_ENDPOINT unset" in out
+
+
+def test_moving_the_model_directory_moves_both_mounts(monkeypatch, capsys):
+    monkeypatch.setenv("GLM_MODEL_DIR", "/data/checkpoints/GLM-5.3")
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0, out
+    assert "OK tokenizer-mount: RJ_TOKENIZER=/models/GLM-5.3 is host directory /data/checkpoints/GLM-5.3" in out
+
+
+@pytest.mark.parametrize("engine_source,balancer_source,ok", [
+    ("./weights", "../bundle/weights", True),        # relative binds resolve against the bundle, as in Compose
+    ("glm-weights", "glm-weights", True),            # one named volume
+    ("glm-weights", "other-weights", False),
+    ("./weights", "./weights/GLM-5.3", False),
+])
+def test_tokenizer_mount_compares_host_directories(bundle, capsys, engine_source, balancer_source, ok):
+    edit(bundle, "${GLM_MODEL_DIR:-/models/GLM-5.3}:/models/GLM-5.3:ro\n      - kernel-cache",
+         f"{engine_source}:/models/GLM-5.3:ro\n      - kernel-cache")
+    edit(bundle, "${GLM_MODEL_DIR:-/models/GLM-5.3}:/models/GLM-5.3:ro\n    ports:",
+         f"{balancer_source}:/models/GLM-5.3:ro\n    ports:")
+    _, out, _ = validate(bundle, capsys=capsys)
+    assert failed_rules(out) == (set() if ok else {"tokenizer-mount"}), out
+
+
+def test_tokenizer_is_checked_where_the_model_directory_is_on_this_machine(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "GLM-5.3"
+    model.mkdir()
+    monkeypatch.setenv("GLM_MODEL_DIR", str(model))
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"balancer-config"}, out
+    assert f"{model} has no tokenizer.json" in out
+    (model / "tokenizer.json").write_text("{}")
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0 and f"OK balancer-config: RJ_* settings load; RJ_TOKENIZER checked at {model}" in out
+
+
+def test_tokenizer_elsewhere_is_not_checked_but_said_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GLM_MODEL_DIR", str(tmp_path / "absent"))
+    rc, out, _ = validate(BUNDLE, capsys=capsys)
+    assert rc == 0, out
+    assert f"RJ_TOKENIZER's files not checked: {tmp_path / 'absent'} is not on this machine" in out
+
+
 # --- Compose interpolation and .env, as Compose does them ---------------------------------
 
 @pytest.mark.parametrize("text,env,want", [
@@ -352,3 +501,20 @@ def test_long_syntax_ports_volumes_and_env_lists(tmp_path):
     assert [(p.host_ip, p.published, p.target) for p in svc.ports] == [
         ("127.0.0.1", "8080", "80"), ("::1", "9000", "9000"), (None, "9100", "9100")]
     assert [(m.target, m.read_only) for m in svc.mounts] == [("/models", True), ("/data", False)]
+
+
+
+def test_port_ranges_mounts_and_host_paths(tmp_path):
+    (tmp_path / "compose.yaml").write_text(
+        "services:\n  s:\n    image: x:1\n    ports: ['127.0.0.1:5557-5564:5557-5564', '9000', 'x:y']\n"
+        "    volumes: ['./m:/models:ro', '/abs/GLM:/models/GLM:ro', 'named:/data', '/anon']\n")
+    bundle = load_bundle(tmp_path, {})
+    svc = bundle.services["s"]
+    assert [p.target_ports for p in svc.ports] == [range(5557, 5565), range(9000, 9001), range(0)]
+    assert svc.mount_for("/models/GLM/tokenizer.json").target == "/models/GLM"  # the deepest mount holds it
+    assert svc.mount_for("/models/other").target == "/models"
+    assert svc.mount_for("/modelsX") is None
+    assert bundle.host_path(svc, "/models/other/") == str(tmp_path / "m" / "other")
+    assert bundle.host_path(svc, "/models/GLM") == "/abs/GLM"
+    assert bundle.host_path(svc, "/data/x") == "volume:named/x"
+    assert bundle.host_path(svc, "/anon/x") is None  # an anonymous volume is no shared directory

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ramjet.balancer.fleet import Fleet
 from ramjet.balancer.forward import Forwarder, ForwardSettings
 from ramjet.balancer.journal import Journal
+from ramjet.balancer.memory import Memory
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.outcome import Recorder
 from ramjet.balancer.precise import Matcher, PreciseMode, PreciseSettings, load_tokenizer
@@ -50,9 +51,13 @@ class Balancer:
     prober: Prober | None
     journal: Journal | None
     precise: PreciseMode | None = None
+    memory: Memory | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self) -> None:
+        if self.memory is not None:  # before any stream is followed: the saved views say where to resume
+            self.memory.restore()
+            self._tasks.append(asyncio.create_task(self.memory.keep()))
         self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
@@ -63,6 +68,8 @@ class Balancer:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.memory is not None:
+            await self.memory.save()
         if self.precise is not None:
             self.precise.close()
         await self.upstream.aclose()
@@ -105,4 +112,5 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
         prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(
             s.health_interval_s, s.health_path, s.health_timeout_s, s.upstream_rank_probe,
             s.upstream_rank_probe_path, s.rank_probe_timeout_s))
-    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal, precise)
+    memory = Memory(s.state_file, s.state_interval_s, replicas, router, precise) if s.state_file else None
+    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal, precise, memory)

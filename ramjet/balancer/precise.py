@@ -191,7 +191,8 @@ class PreciseMode:
         self.streaming = [False] * len(replicas)
         self._media: list[set[str]] = [set() for _ in replicas]  # tiers each replica has reported
         self._swept = 0.0
-        self._streams: list[EventStream] = []
+        self._streams: list[EventStream | None] = [None] * len(replicas)
+        self._resume: list[tuple[str, int, float] | None] = [None] * len(replicas)  # restored: (events, seq, ts)
         self._gauges = [metrics.for_replica(r.labels) for r in replicas]
 
     # --- routing ---------------------------------------------------------------------
@@ -307,8 +308,12 @@ class PreciseMode:
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
         self.streaming[i] = True
-        stream = EventStream(endpoints, silence_s=self.s.silence_s)
-        self._streams.append(stream)
+        saved, self._resume[i] = self._resume[i], None
+        if saved is not None and saved[0] != endpoints.events:  # another publisher: the saved view is not its
+            self.index.clear(i)
+            saved = None
+        stream = EventStream(endpoints, resume=saved and (saved[1], saved[2]), silence_s=self.s.silence_s)
+        self._streams[i] = stream
         labels = self.replicas[i].labels
         try:
             async for item in stream.items():
@@ -362,6 +367,24 @@ class PreciseMode:
         self.index.clear(i)
         self._resident_changed(i)
 
+    def export_view(self, i: int) -> dict | None:
+        """What replica i's engine reported it holds, with the batch that says so (None: nothing to vouch for)."""
+        stream, pending = self._streams[i], self._resume[i]
+        if stream is None and pending is not None:  # restored, and stopped again before its stream resumed
+            return {"index": self.index.export(i), "stream": list(pending)}
+        if stream is None or stream.last is None or stream.complete is not True:  # a partial view stays partial
+            return None
+        return {"index": self.index.export(i), "stream": [stream.endpoints.events, *stream.last]}
+
+    def restore_view(self, i: int, view: dict) -> None:
+        """A view saved by `export_view` before a restart: used once the replica's stream vouches for it."""
+        events, seq, ts = view["stream"]
+        if not isinstance(events, str) or not isinstance(seq, int) or not isinstance(ts, float):
+            raise ValueError(f"a stream position is (endpoint, seq, ts), got {view['stream']!r}")
+        self.index.restore(i, view["index"])
+        self._resume[i] = (events, seq, ts)
+        self._resident_changed(i)
+
     def report(self, i: int) -> dict:
         t = self.trust[i]
         trusted = t.trusted(time.monotonic())
@@ -370,5 +393,6 @@ class PreciseMode:
 
     def close(self) -> None:
         for s in self._streams:
-            s.close()
+            if s is not None:
+                s.close()
         self.matcher.close()

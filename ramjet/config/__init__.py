@@ -109,6 +109,8 @@ class Settings(BaseSettings):
     api_addr: str = "0.0.0.0:8000"
     metrics_addr: str | None = None
     route_journal: bool | Path | None = Field(None, union_mode="left_to_right")  # a true/false word, else a path
+    state_file: Path | None = None  # what each replica holds, kept across restarts (ramjet.balancer.memory)
+    state_interval_ms: PositiveInt = 30_000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # precise mode: route on the engines' own KV cache events (docs/design.md)
@@ -323,6 +325,7 @@ class Settings(BaseSettings):
     rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
     liveness_window_s = _seconds("liveness_window_ms")
     kv_events_silence_s = _seconds("kv_events_silence_ms")
+    state_interval_s = _seconds("state_interval_ms")
     client_header_timeout_s = _seconds("client_header_timeout_ms")
     client_body_timeout_s = _seconds("client_body_timeout_ms")
     client_idle_timeout_s = _seconds("client_idle_timeout_ms")

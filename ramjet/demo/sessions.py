@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -28,6 +29,7 @@ class SessionReport:
     same_upstream: int = 0
     follow_ups: int = 0
     upstreams: dict[str, int] = field(default_factory=dict)
+    routes: dict[int, list[str]] = field(default_factory=dict)  # session -> the upstream of each turn
 
     @property
     def cache_ratio(self) -> float:
@@ -56,7 +58,8 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
                        task_bytes: int = 4_000, turn_bytes: int = 6_000, seed: int = 1, model: str = "glm-5.3",
                        api_key: str | None = None, timeout: float = 120.0, tool_s: float = 0.4,
                        path: str = "/v1/chat/completions", first_session: int = 0,
-                       transport: httpx.AsyncBaseTransport | None = None) -> SessionReport:
+                       transport: httpx.AsyncBaseTransport | None = None, pause_after: int | None = None,
+                       pause: Callable[[], Awaitable[None]] | None = None) -> SessionReport:
     """Concurrent agent-like sessions: a shared harness prompt, then each turn appends a tool result.
 
     The first user message carries the task and the context an agent harness adds
@@ -64,7 +67,8 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
     random 0..`tool_s` seconds, so sessions do not move in lockstep. Streams every turn with usage, and records
     which upstream served it. Sessions are numbered from `first_session`: the same seed and number replay
     the same conversation, a new number starts a new one on the same harness. `transport`: an in-process
-    app instead of the network (tests).
+    app instead of the network (tests). `pause`: awaited by each session after `pause_after` turns (a test
+    restarts the balancer there).
     """
     rng = random.Random(seed)
     harness = filler(rng, harness_bytes)
@@ -76,7 +80,10 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
         messages = [{"role": "system", "content": harness},
                     {"role": "user", "content": f"task {session}: " + filler(srng, task_bytes)}]
         previous = None
-        for _ in range(turns):
+        route = report.routes.setdefault(session, [])
+        for turn in range(turns):
+            if turn == pause_after and pause is not None:
+                await pause()
             await asyncio.sleep(srng.uniform(0, tool_s))
             body = {"model": model, "messages": messages, "max_tokens": 8, "stream": True,
                     "stream_options": {"include_usage": True}}
@@ -86,6 +93,7 @@ async def run_sessions(url: str, sessions: int = 8, turns: int = 6, harness_byte
                 report.failures += 1
                 return
             report.turns += 1
+            route.append(upstream)
             report.upstreams[upstream] = report.upstreams.get(upstream, 0) + 1
             if usage:
                 report.prompt_tokens += usage.prompt_tokens

@@ -29,6 +29,7 @@ class Endpoints:
     topic: bytes = b""
     block_size: int | None = None
     load_topic: bytes = b"load"
+    bind: bool = False  # the subscriber binds `events` and the publisher connects (vLLM, non-wildcard endpoint)
 
 
 def from_server_info(info: Mapping[str, Any], engine_url: str, rank: int, *,
@@ -72,11 +73,18 @@ def from_operator(events: str, engine_url: str, rank: int, index: int, *, replay
     `{host}` becomes the engine URL's host and the rank is added to the port. A value
     with commas lists one full address per replica, taken at `index` (the replica's
     ordinal) as written.
+
+    An events setting that starts with `@` (CZMQ's mark for "bind") is an address the
+    balancer binds, rank r at port + r, for publishers that connect: vLLM connects to a
+    configured endpoint unless its host is a wildcard.
     """
     if block_size is not None:
         block_size = _positive(block_size, "block size")
+    bind = isinstance(events, str) and events.strip().startswith("@")
     return Endpoints(
-        events=resolve(events, engine_url, rank, index, "events endpoint"),
+        events=resolve(events.strip()[1:], engine_url, rank, index, "events endpoint", bind=True) if bind
+        else resolve(events, engine_url, rank, index, "events endpoint"),
+        bind=bind,
         replay=None if replay is None else resolve(replay, engine_url, rank, index, "replay endpoint"),
         load=None if load is None else resolve(load, engine_url, rank, index, "load endpoint"),
         topic=topic.encode() if isinstance(topic, str) else bytes(topic),
@@ -84,8 +92,9 @@ def from_operator(events: str, engine_url: str, rank: int, index: int, *, replay
     )
 
 
-def resolve(setting: str, engine_url: str, rank: int, index: int, what: str = "endpoint") -> str:
-    """One operator setting (a template or a comma list) for the replica at `index`, rank `rank`."""
+def resolve(setting: str, engine_url: str, rank: int, index: int, what: str = "endpoint", bind: bool = False) -> str:
+    """One operator setting (a template or a comma list) for the replica at `index`, rank `rank`;
+    `bind`: an address to bind, whose wildcard host stays as written."""
     if not isinstance(setting, str) or not setting.strip():
         raise ValueError(f"the {what} setting is empty")
     if "," in setting:
@@ -94,10 +103,10 @@ def resolve(setting: str, engine_url: str, rank: int, index: int, what: str = "e
             raise ValueError(f"the {what} list has {len(items)} entries; replica {index} has none")
         host, port = _split_tcp(items[index], what)
         return _tcp(host, port, what)
-    return expand_template(setting.strip(), engine_url, rank, what)
+    return expand_template(setting.strip(), engine_url, rank, what, bind)
 
 
-def expand_template(template: str, engine_url: str, rank: int, what: str = "endpoint") -> str:
+def expand_template(template: str, engine_url: str, rank: int, what: str = "endpoint", bind: bool = False) -> str:
     """`tcp://{host}:5557` for rank r of the engine at `engine_url`: that host, port 5557 + r."""
     if rank < 0:
         raise ValueError(f"a rank is >= 0, got {rank}")
@@ -106,7 +115,7 @@ def expand_template(template: str, engine_url: str, rank: int, what: str = "endp
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"the {what} template {template!r} may only use {{host}}: {exc}") from None
     host, port = _split_tcp(filled, what)
-    return _tcp(_connect_host(host, engine_url), port + rank, what)
+    return _tcp(host.strip("[]") if bind else _connect_host(host, engine_url), port + rank, what)
 
 
 def engine_host(engine_url: str) -> str:

@@ -20,6 +20,12 @@ is dropped by sequence number (`sequencing.py` decides). Kinds of state:
   about the replica; what follows is read as a new stream (complete if it starts at 0,
   partial if the old one goes on past what the replay holds).
 
+A stream can resume where an earlier subscriber left it (`resume`: the last batch it
+delivered, number and timestamp, saved by the balancer with its view of the replica):
+the replay is asked from that batch, which must come back with the same timestamp,
+or the saved view cannot be vouched for (`partial`), or belongs to an engine that
+restarted since (`restart`).
+
 `EventStream.complete` says whether everything since the start (or since a restart)
 was delivered, so a consumer knows when its view of the replica is whole;
 `EventStream.counters` keeps totals for metrics.
@@ -80,14 +86,16 @@ class StreamCounters:
 class EventStream:
     """The event stream of one rank's publisher (and its replay endpoint, when it has one)."""
 
-    def __init__(self, endpoints: Endpoints, *, start_seq: int = 0, silence_s: float = 10.0,
-                 replay_timeout_s: float = 2.0, max_pending: int = 10_000,
+    def __init__(self, endpoints: Endpoints, *, resume: tuple[int, float] | None = None,
+                 silence_s: float = 10.0, replay_timeout_s: float = 2.0, max_pending: int = 10_000,
                  context: zmq.asyncio.Context | None = None):
         if silence_s <= 0 or replay_timeout_s <= 0 or max_pending < 1:
             raise ValueError("silence_s and replay_timeout_s are > 0, max_pending >= 1")
         self.endpoints = endpoints
         self.counters = StreamCounters()
-        self._sequencer = Sequencer(start_seq)
+        self._resume = resume
+        self._sequencer = Sequencer(resume[0] + 1 if resume else 0)
+        self.last: tuple[int, float] | None = resume  # the last batch delivered (seq, ts): where to resume from
         self._silence_s = silence_s
         self._replay_timeout_s = replay_timeout_s
         self._max_pending = max_pending
@@ -158,17 +166,18 @@ class EventStream:
         sub.rcvhwm = self._max_pending
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
         try:
-            sub.connect(self.endpoints.events)
+            (sub.bind if self.endpoints.bind else sub.connect)(self.endpoints.events)
         except zmq.ZMQError as exc:
             sub.close(linger=0)
-            raise ValueError(f"cannot connect to the event endpoint {self.endpoints.events!r}: {exc}") from None
+            verb = "bind" if self.endpoints.bind else "connect to"
+            raise ValueError(f"cannot {verb} the event endpoint {self.endpoints.events!r}: {exc}") from None
         return sub
 
     async def _run(self) -> AsyncIterator[Batch | StreamState]:
         seqr = self._sequencer
-        async for item in self._repair(seqr.next_seq):
+        async for item in self._repair(seqr.next_seq - 1 if self._resume else seqr.next_seq, self._resume):
             yield item
-        if self._complete is None and self._replay_answered:
+        if self._complete is None and self._replay_answered and not self._resume:
             self._complete = True  # the replay had nothing since the start: nothing was missed
         silent, announced = False, False
         poller = zmq.asyncio.Poller()
@@ -185,6 +194,7 @@ class EventStream:
                 await self._monitor.recv_multipart()  # only disconnections are monitored
                 self.counters.disconnects += 1
                 self._sequencer.reset()
+                self.last = None
                 self._complete, announced = None, False
                 yield StreamState(DISCONNECTED, f"the connection to {self.endpoints.events} dropped")
                 continue
@@ -200,7 +210,7 @@ class EventStream:
             verdict = seqr.live(batch.seq, batch.ts)
             if verdict is Verdict.RESTART:
                 self.counters.restarts += 1
-                self._complete = None
+                self._complete, self.last = None, None
                 yield StreamState(RESTART, f"the sequence went from {previous} back to {batch.seq}: a new stream")
                 verdict = seqr.live(batch.seq, batch.ts)
             if verdict is Verdict.GAP:
@@ -220,19 +230,38 @@ class EventStream:
                 continue
             yield self._delivered(batch, verdict)
 
-    async def _repair(self, start: int) -> AsyncIterator[Batch | StreamState]:
-        """What the replay endpoint holds from `start`, in order; `partial` where it does not reach back."""
+    async def _repair(self, start: int, anchor: tuple[int, float] | None = None) -> AsyncIterator[Batch | StreamState]:
+        """What the replay endpoint holds from `start`, in order; `partial` where it does not reach back.
+
+        With an `anchor` (a resumed stream: `start` is its batch), the first reply must be that batch."""
+        confirmed, checked, said = False, anchor is None, False
         async with contextlib.aclosing(self._replay(start)) as replies:
             async for batch in replies:
+                if not checked:
+                    checked, confirmed = True, (batch.seq, batch.ts) == anchor
+                    if confirmed:
+                        self._complete = True
+                        continue
+                    if batch.seq == start:  # the number we knew, from another stream: the engine restarted
+                        self.counters.restarts += 1
+                        self._sequencer.reset()
+                        self.last = None
+                        yield StreamState(RESTART, f"batch {start} came back from another stream: a new stream")
                 expected = self._sequencer.next_seq
                 verdict = self._sequencer.replayed(batch.seq, batch.ts)
                 if verdict is Verdict.DUPLICATE:
                     self.counters.duplicates += 1
                     continue
                 if verdict is Verdict.HOLE:
+                    said = True
                     yield StreamState(PARTIAL, f"the replay buffer starts at batch {batch.seq}; "
                                                f"batches {expected}..{batch.seq - 1} are lost")
                 yield self._delivered(batch, verdict)
+        if anchor is not None and not confirmed:
+            self._complete = False
+            if not said:
+                yield StreamState(PARTIAL, f"the saved view ends at batch {start}, which the replay did not "
+                                           f"bring back ({self._replay_note})")
 
     async def _replay(self, start: int) -> AsyncIterator[Batch]:
         """Ask for the batches from `start`; stop at the end marker, or quietly when the endpoint is mute."""
@@ -279,6 +308,7 @@ class EventStream:
             return _UNDECODABLE
 
     def _delivered(self, batch: Batch, verdict: Verdict) -> Batch:
+        self.last = (batch.seq, batch.ts)
         if verdict is Verdict.HOLE:
             self._complete = False
         elif self._complete is None:

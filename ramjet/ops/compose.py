@@ -8,6 +8,7 @@ in the file (`${VAR:-default}`), and `$$` is a literal dollar.
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import shlex
 from collections.abc import Mapping
@@ -161,6 +162,15 @@ class Port:
     def __str__(self) -> str:
         return f"{self.host_ip or '0.0.0.0'}:{self.published or '(random)'}->{self.target}"
 
+    @property
+    def target_ports(self) -> range:
+        """The container ports the entry publishes: `5557`, or a range `5557-5564`; empty when unreadable."""
+        first, _, last = self.target.partition("-")
+        try:
+            return range(int(first), int(last or first) + 1)
+        except ValueError:
+            return range(0)
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -189,12 +199,31 @@ class Service:
         names = {self.name, self.raw.get("container_name"), self.raw.get("hostname")}
         return {str(n) for n in names if n}
 
+    def mount_for(self, path: str) -> Mount | None:
+        """The volume that holds container path `path` (the deepest, as the container sees it), or None."""
+        inside = path.rstrip("/") + "/"
+        mounts = [m for m in self.mounts if m.target and inside.startswith(m.target.rstrip("/") + "/")]
+        return max(mounts, key=lambda m: len(m.target), default=None)
+
 
 @dataclass
 class Bundle:
     file: Path
     services: dict[str, Service]
     blank: set[str] = field(default_factory=set)  # variables Compose would warn about (unset, no default)
+
+    def host_path(self, service: Service, path: str) -> str | None:
+        """Where container path `path` of `service` lives outside it: a host directory (relative bind
+        sources resolved against the bundle, as Compose does), `volume:NAME/...` for a named volume, or
+        None when no volume holds it or the volume is anonymous."""
+        mount = service.mount_for(path)
+        if mount is None or not mount.source:
+            return None
+        rest = path.rstrip("/")[len(mount.target.rstrip("/")):].strip("/")
+        if mount.source.startswith(("/", ".", "~")):  # a bind mount
+            root = Path(os.path.expanduser(mount.source))
+            return os.path.normpath((root if root.is_absolute() else self.file.parent / root) / rest)
+        return posixpath.join(f"volume:{mount.source}", rest).rstrip("/")
 
 
 def find_compose_file(path: Path) -> Path:

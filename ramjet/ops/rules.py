@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from ramjet.config import FALSE_WORDS, TRUE_WORDS, ConfigError, load_settings
 from ramjet.ops.compose import Bundle
+from ramjet.ops.rules_precise import (kv_endpoints, kv_events_config, kv_events_ports, kv_events_unpublished,
+                                      precise_mode, settings_environment, tokenizer_mount)
 
 ENGINE_MARKER = "sglang.launch_server"
 RUNNING_PER_RANK = 16
@@ -85,15 +87,20 @@ class Deployment:
     def dp(self) -> int:
         return self.number("--dp-size", default="1") or 1
 
+    @property
+    def port(self) -> int:
+        return self.number("--port", default=str(SGLANG_DEFAULT_PORT)) or SGLANG_DEFAULT_PORT
+
 
 # --- the balancer and its view of the engine -------------------------------------------
 
 def balancer_config(d: Deployment) -> Verdict:
-    try:
-        load_settings(d.env)
-    except ConfigError as e:
-        return False, "the balancer would refuse to start: " + "; ".join(e.problems)
-    return True, "RJ_* settings load"
+    with settings_environment(d) as (env, note):
+        try:
+            load_settings(env)
+        except ConfigError as e:
+            return False, "the balancer would refuse to start: " + "; ".join(e.problems)
+    return True, "RJ_* settings load" + note
 
 
 def rank_map(d: Deployment) -> Verdict:
@@ -333,10 +340,9 @@ def _loopback(host: str | None) -> bool:
 
 def model_readonly(d: Deployment) -> Verdict:
     path = (d.flag("--model-path") or "").rstrip("/")
-    mounts = [m for m in d.engine.mounts if m.target and (path + "/").startswith(m.target.rstrip("/") + "/")]
-    if not path or not mounts:
+    mount = d.engine.mount_for(path) if path else None
+    if mount is None:
         return False, f"--model-path {path or '(unset)'} must be a directory mounted into the engine, read-only"
-    mount = max(mounts, key=lambda m: len(m.target))
     if not mount.read_only:
         return False, f"the model volume {mount.target} must be mounted read-only (:ro)"
     return True, f"{mount.target} mounted read-only"
@@ -365,4 +371,7 @@ RULES: dict[str, Callable[[Deployment], Verdict]] = {
     "metrics": metrics, "tokenizer-workers": tokenizer_workers, "engine-keys": engine_keys,
     "upstream-token": upstream_token, "sglang-version": sglang_version, "loopback-ports": loopback_ports,
     "model-readonly": model_readonly, "pinned-images": pinned_images,
+    # precise mode (rules_precise.py): the engine's KV events and the balancer that reads them
+    "precise-mode": precise_mode, "tokenizer-mount": tokenizer_mount, "kv-events-config": kv_events_config,
+    "kv-events-ports": kv_events_ports, "kv-events-unpublished": kv_events_unpublished, "kv-endpoints": kv_endpoints,
 }

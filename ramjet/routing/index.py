@@ -94,6 +94,21 @@ class PrefixIndex:
             self._drop(h, bit)
         self._lru[replica].clear()
 
+    def export(self, replica: int) -> list[int]:
+        """What `replica` holds, least recently used first: what `restore` takes back after a restart."""
+        return list(self._lru[replica])
+
+    def restore(self, replica: int, blocks: list[int]) -> None:
+        """Hold `blocks` (least recently used first) on `replica` again, after what it holds now."""
+        lru, bit, holders = self._lru[replica], 1 << replica, self._holders
+        for h in blocks:
+            lru[h] = None
+            lru.move_to_end(h)
+            holders[h] = holders.get(h, 0) | bit
+        while len(lru) > self._capacity[replica]:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, bit)
+
     def _drop(self, h: int, bit: int) -> None:
         left = self._holders.get(h, 0) & ~bit
         if left:

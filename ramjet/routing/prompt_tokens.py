@@ -93,7 +93,8 @@ class PromptTokenizer:
     def render_chat(self, body: dict) -> str:
         if self.template is None:
             raise bad_request("the model's tokenizer has no chat template")
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         generation = body.get("add_generation_prompt", True)

@@ -150,6 +150,29 @@ class TokenIndex:
         self._ours[replica].clear()
         self._count[replica] = {m: 0 for m in self._count[replica]}
 
+    def export(self, replica: int) -> dict:
+        """What the engine reported `replica` holds, in a form `restore` takes back (plain ints and strings)."""
+        media = self._media[replica]
+        return {"block_size": self.block_size[replica], "theirs": list(self._ours[replica]),
+                "ours": list(self._ours[replica].values()), "blocks": list(media),
+                "media": [sorted(m) for m in media.values()]}
+
+    def restore(self, replica: int, saved: dict) -> None:
+        """Replace what `replica` holds with an `export`; raises ValueError if it is misshapen."""
+        try:
+            theirs, ours, blocks, media = saved["theirs"], saved["ours"], saved["blocks"], saved["media"]
+            if len(theirs) != len(ours) or len(blocks) != len(media):
+                raise ValueError("parallel lists of different lengths")
+            self.clear(replica)
+            self.block_size[replica] = saved["block_size"]
+            self._ours[replica] = dict(zip(theirs, ours))
+            for h, tiers in zip(blocks, media):
+                for medium in tiers:
+                    self._add(replica, h, medium)
+        except (KeyError, TypeError, ValueError) as e:
+            self.clear(replica)
+            raise ValueError(f"a saved view of replica {replica} that does not fit: {e}") from None
+
     def expect(self, replica: int, hashes: list[int], until: float, now: float) -> None:
         """`replica` computed these blocks (a request got its first byte there); count them as held until
         `until` or until the engine reports them: events lag, and a second request must not miss them."""
