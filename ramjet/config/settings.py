@@ -1,0 +1,325 @@
+"""Every `RJ_*` variable: its field, type, default and per-value checks (docs/configuration.md).
+
+Built only by `ramjet.config.load_settings`, which adds the checks across variables.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (AfterValidator, Field, NonNegativeInt, PositiveInt, SecretStr, ValidationInfo,
+                      field_validator)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ramjet.config.values import is_loopback, normalise_url, parse_addr
+from ramjet.routing.policies import BASES
+
+MIB = 1024 * 1024
+BYTES_PER_TOKEN = 4  # canonical prompt bytes per token, roughly, for English text and code
+# The words pydantic accepts for a boolean (any case), for code that reads such a variable without the model.
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+class ConfigError(Exception):
+    """Start-up configuration is unusable; the message names every offending variable."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def _seconds(ms_field: str) -> property:
+    """A duration field (`*_ms`, as the variables are named) in seconds, as timers and httpx want it."""
+    return property(lambda self: getattr(self, ms_field) / 1000, doc=f"{ms_field} in seconds")
+
+
+def _addr_part(addr_field: str, part: int) -> property:
+    """Host (part 0) or port (1) of a listener address; None when that listener is off."""
+    return property(lambda self: None if (a := getattr(self, addr_field)) is None else parse_addr(a)[part])
+
+
+Url = Annotated[str, AfterValidator(normalise_url)]
+
+
+class Settings(BaseSettings):
+    """Every tunable of the balancer: field `foo_bar` is variable `RJ_FOO_BAR`. Build it with load_settings()."""
+
+    model_config = SettingsConfigDict(env_prefix="RJ_", frozen=True)
+
+    # upstreams and topology (field order matters: a validator sees the fields above it in `info.data`)
+    upstream: list[Url] = []
+    upstream_dp_ranks: list[NonNegativeInt | None] | None = None
+    upstream_dp_size: PositiveInt | Literal["auto"] | None = None
+    topology_file: Path | None = None
+    upstream_token: SecretStr | None = Field(None, repr=False)
+    api_keys: list[str] = Field([], repr=False, exclude=True)
+
+    # routing
+    affinity: Literal["prefix", "load"] = "prefix"
+    route_affinity_basis: str = "relative"  # one of ramjet.routing.policies.BASES
+    route_alpha: float = Field(4.0, ge=0, allow_inf_nan=False)
+    route_new_sessions: Literal["affinity", "balance"] = "affinity"
+    route_chunk_bytes: int = Field(2048, ge=64)
+    route_max_prefix_bytes: int = Field(2 * MIB, ge=64, validate_default=True)
+    route_max_overlap_blocks: PositiveInt = 32
+    route_index_capacity: PositiveInt = 100_000
+    route_kv_capacity_tokens: PositiveInt | None = None
+    route_load_unit_bytes: PositiveInt = 32768
+    route_max_load_units: PositiveInt = 8
+    route_max_attempts: PositiveInt = 3
+
+    # upstream connections
+    upstream_connect_timeout_ms: PositiveInt = 2000
+    # A cold 115K-token prefill queued behind other prefills on a busy H200 rank can take a
+    # minute or more before its first token; a shorter limit would fail over (and redo) real work.
+    upstream_first_byte_timeout_ms: PositiveInt = 120_000
+    # Below the engines' 5 s keep-alive, so no request goes out on a socket the engine closed.
+    upstream_pool_idle_timeout_ms: NonNegativeInt = 4000
+    max_body_bytes: PositiveInt = 16 * MIB
+
+    # client limits: what one client may cost (docs/security.md)
+    client_max_connections: PositiveInt = 4096
+    client_max_headers: PositiveInt = 100
+    client_max_header_bytes: PositiveInt = 32 * 1024
+    client_max_url_bytes: PositiveInt = 8 * 1024
+    client_header_timeout_ms: PositiveInt = 10_000
+    client_body_timeout_ms: PositiveInt = 60_000
+    client_idle_timeout_ms: PositiveInt = 60_000
+    api_key_max_in_flight: NonNegativeInt = 128  # per key (per client address without keys); 0: no cap
+    max_json_depth: int = Field(64, ge=2, le=200)
+    passthrough_routes: list[str] = ["/v1/models", "/v1/models/{id}"]
+    pass_response_headers: list[str] = []
+
+    # fencing on evidence from real requests (docs/operations.md)
+    fence_after_failures: PositiveInt = 3
+    fence_max_share: float = Field(0.5, ge=0, le=1)
+    failover_budget_percent: float = Field(20.0, ge=0, le=100)
+
+    # listeners, logs
+    api_addr: str = "0.0.0.0:8000"
+    metrics_addr: str | None = None
+    route_journal: bool | Path | None = Field(None, union_mode="left_to_right")  # a true/false word, else a path
+    state_file: Path | None = None  # what each replica holds, kept across restarts (ramjet.balancer.memory)
+    state_interval_ms: PositiveInt = 30_000
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # precise mode: route on the engines' own KV cache events (docs/design.md)
+    kv_events: Literal["off", "zmq"] = "off"
+    kv_events_endpoint: str | None = None         # a template (tcp://{host}:5557, + rank) or a list; None: discover
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_silence_ms: PositiveInt = 10_000
+    kv_host_tier_credit: float = Field(0.9, ge=0, le=1)
+    tokenizer: Path | None = Field(None, validate_default=True)
+
+    # health
+    health_interval_ms: PositiveInt = 5000
+    health_timeout_ms: PositiveInt = 2000
+    health_path: str = "/health"
+    upstream_rank_probe: bool = False
+    upstream_rank_probe_path: Literal["/generate", "/v1/completions"] = "/generate"
+    upstream_rank_probe_timeout_ms: PositiveInt = 10_000
+    liveness_window_ms: NonNegativeInt = 30_000
+    unfence_after: PositiveInt = 1
+
+    # operator API: loopback by default, because without a key anyone who reaches it may use it
+    admin_addr: str | None = "127.0.0.1:9091"
+    admin_keys: list[str] = Field([], repr=False, exclude=True, validate_default=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **_others: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only what load_settings hands over, so the mapping it was given is all there is (no .env, no secrets)."""
+        return (init_settings,)
+
+    # --- field validators: one rule each; a rule between two variables sits on the later one ---
+
+    @field_validator("upstream", "api_keys", "admin_keys", "passthrough_routes", "pass_response_headers", mode="before")
+    @classmethod
+    def _v_comma_list(cls, v: Any) -> Any:
+        # An empty upstream entry stays (and fails): it would shift RJ_UPSTREAM_DP_RANKS. An empty key is dropped.
+        if isinstance(v, str):
+            return [e.strip() for e in v.split(",")] if v.strip() else []
+        return v
+
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _v_keys(cls, v: list[str]) -> list[str]:
+        return [k for k in v if k]
+
+    @field_validator("upstream_dp_ranks", mode="before")
+    @classmethod
+    def _v_ranks(cls, v: Any) -> Any:
+        return [e.strip() or None for e in v.split(",")] if isinstance(v, str) else v  # empty entry: no pin
+
+    @field_validator("upstream_dp_ranks")
+    @classmethod
+    def _v_ranks_aligned(cls, v: list[int | None] | None, info: ValidationInfo) -> list[int | None] | None:
+        upstreams = info.data.get("upstream")  # absent when itself invalid: nothing to compare
+        if v is not None and upstreams and len(v) != len(upstreams):
+            raise ValueError(f"has {len(v)} entries but RJ_UPSTREAM has {len(upstreams)}; they are index-aligned "
+                             "(use an empty entry for an upstream without a pin)")
+        return v
+
+    @field_validator("upstream_dp_size", mode="before")
+    @classmethod
+    def _v_dp_size(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.lower()
+            if v != "auto" and not (v.isdigit() and int(v) >= 1):
+                raise ValueError("expected a positive integer or 'auto'")
+        return v
+
+    @field_validator("upstream_token")
+    @classmethod
+    def _v_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not re.fullmatch(r"[^\s\x00-\x1f\x7f]+", v.get_secret_value()):
+            raise ValueError("must be a non-empty token without whitespace or control characters")
+        return v
+
+    @field_validator("affinity", "route_affinity_basis", "route_new_sessions", "log_level", mode="before")
+    @classmethod
+    def _v_lower(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("route_affinity_basis")
+    @classmethod
+    def _v_basis(cls, v: str) -> str:
+        if v not in BASES:
+            *head, last = (repr(b) for b in BASES)
+            raise ValueError(f"expected {', '.join(head)} or {last}")
+        return v
+
+    @field_validator("route_max_prefix_bytes")
+    @classmethod
+    def _v_prefix_holds_a_block(cls, v: int, info: ValidationInfo) -> int:
+        chunk = info.data.get("route_chunk_bytes")
+        if chunk is not None and v < chunk:
+            raise ValueError(f"{v} is smaller than RJ_ROUTE_CHUNK_BYTES ({chunk}); expected at least one block")
+        return v
+
+    @field_validator("admin_addr", mode="before")
+    @classmethod
+    def _v_admin_off(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and (not v or v.lower() in FALSE_WORDS) else v
+
+    @field_validator("api_addr", "metrics_addr", "admin_addr")
+    @classmethod
+    def _v_addr(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, port = parse_addr(v)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _v_admin_guarded(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        addr = info.data.get("admin_addr")
+        if not v and addr is not None and not is_loopback(parse_addr(addr)[0]):
+            raise ValueError(f"is empty but RJ_ADMIN_ADDR ({addr}) is not a loopback address, so anyone who reaches "
+                             "it could drive the operator API; set RJ_ADMIN_KEYS or bind RJ_ADMIN_ADDR to 127.0.0.1")
+        return v
+
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _v_routes(cls, v: list[str]) -> list[str]:
+        for route in v:
+            if not re.fullmatch(r"/v1(/([A-Za-z0-9_.-]+|\{[a-z_]+\}))+", route) or "/." in route:
+                raise ValueError(f"{route!r} is not a route under /v1/: expected paths like /v1/models or "
+                                 "/v1/models/{id} ({name} matches one path segment)")
+        return v
+
+    @field_validator("pass_response_headers")
+    @classmethod
+    def _v_header_names(cls, v: list[str]) -> list[str]:
+        bad = [h for h in v if not re.fullmatch(r"[A-Za-z0-9-]+", h) or h.lower().startswith("x-ramjet-")]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: expected header names (x-ramjet-* are the balancer's own)")
+        return [h.lower() for h in v]
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _v_kv_events(cls, v: Any) -> Any:
+        return "off" if isinstance(v, str) and v.lower() in FALSE_WORDS else v.lower() if isinstance(v, str) else v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _v_tokenizer(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        if info.data.get("kv_events") == "zmq" and v is None:
+            raise ValueError("is required with RJ_KV_EVENTS=zmq: precise routing tokenizes requests as the engine "
+                             "does; point it at the model's tokenizer directory (tokenizer.json, tokenizer_config.json)")
+        if v is not None and not (v / "tokenizer.json").is_file():
+            raise ValueError(f"{v} has no tokenizer.json; expected a Hugging Face tokenizer or model directory")
+        return v
+
+    @field_validator("health_path")
+    @classmethod
+    def _v_path(cls, v: str) -> str:
+        if not v.startswith("/") or any(c.isspace() for c in v):
+            raise ValueError("expected a path starting with '/', e.g. /health or /v1/models")
+        return v
+
+    @field_validator("route_journal")
+    @classmethod
+    def _v_journal(cls, v: bool | Path | None) -> bool | Path | None:
+        if isinstance(v, Path) and v.is_dir():
+            raise ValueError("is a directory; expected true/false or a file path to append to")
+        return v
+
+    # --- derived values ---
+
+    @property
+    def upstreams(self) -> list[str]:
+        """RJ_UPSTREAM as normalised URLs, in order (duplicates kept: DP_RANKS lists one URL per rank)."""
+        return list(self.upstream)
+
+    @property
+    def policy_name(self) -> str:
+        """The routing policy to build (ramjet.routing.policies.POLICY_NAMES): `load`, or the affinity basis."""
+        return "load" if self.affinity == "load" else self.route_affinity_basis
+
+    @property
+    def journal_target(self) -> None | Literal["stdout"] | Path:
+        """RJ_ROUTE_JOURNAL: off (None), JSON lines on stdout, or a file to append to."""
+        if isinstance(self.route_journal, Path):
+            return self.route_journal
+        return "stdout" if self.route_journal else None
+
+    def index_capacity_for(self, kv_capacity_tokens: int | None = None) -> int:
+        """Index entries (blocks) for one replica.
+
+        An explicit RJ_ROUTE_INDEX_CAPACITY wins. Otherwise the replica's KV capacity
+        (argument, else RJ_ROUTE_KV_CAPACITY_TOKENS) sizes it: a block of
+        route_chunk_bytes holds about chunk/4 tokens, so the index remembers about
+        as many blocks as the rank's cache can hold, and forgets as the cache would.
+        """
+        if "route_index_capacity" in self.model_fields_set:
+            return self.route_index_capacity
+        tokens = kv_capacity_tokens if kv_capacity_tokens is not None else self.route_kv_capacity_tokens
+        if tokens is None:
+            return self.route_index_capacity
+        return max(1, math.ceil(tokens * BYTES_PER_TOKEN / self.route_chunk_bytes))
+
+    api_host = _addr_part("api_addr", 0)
+    api_port = _addr_part("api_addr", 1)
+    metrics_host = _addr_part("metrics_addr", 0)
+    metrics_port = _addr_part("metrics_addr", 1)
+    admin_host = _addr_part("admin_addr", 0)
+    admin_port = _addr_part("admin_addr", 1)
+
+    connect_timeout_s = _seconds("upstream_connect_timeout_ms")
+    first_byte_timeout_s = _seconds("upstream_first_byte_timeout_ms")
+    pool_idle_timeout_s = _seconds("upstream_pool_idle_timeout_ms")
+    health_interval_s = _seconds("health_interval_ms")
+    health_timeout_s = _seconds("health_timeout_ms")
+    rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
+    liveness_window_s = _seconds("liveness_window_ms")
+    kv_events_silence_s = _seconds("kv_events_silence_ms")
+    state_interval_s = _seconds("state_interval_ms")
+    client_header_timeout_s = _seconds("client_header_timeout_ms")
+    client_body_timeout_s = _seconds("client_body_timeout_ms")
+    client_idle_timeout_s = _seconds("client_idle_timeout_ms")
