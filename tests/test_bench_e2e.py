@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
 import ramjet.balancer.serve  # noqa: F401 - an import error in the balancer fails these tests, never skips them
 import ramjet.sim.cli  # noqa: F401
-from ramjet.bench.compare import format_table, run_compare
+from ramjet.bench.compare import CompareConfig, format_table, run_compare
+from ramjet.bench.report import format_repeats
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -62,6 +64,44 @@ def test_compare_direct_vs_relative(tmp_path):
     assert any((tmp_path / "logs").iterdir())
 
 
+def test_compare_precise_on_two_engines_with_hicache(tmp_path):
+    """The `precise` placement: two engines publishing KV events on port ranges of their own, HiCache on and
+    pools small enough that pages move to the host tier; the balancer routes every replica on its events."""
+    light = replace(SMALL, compaction_tokens=16_000)  # every prompt fits the 24K-token pool
+    rows = run_compare(["precise"], [4], hicache=["on"], engines=2, duration=200, warmup=60, ramp=20, time_scale=50,
+                       seed=5, out_dir=str(tmp_path), workload=light, kv_tokens_per_rank=24_000,
+                       hicache_tokens_per_rank=200_000, balancer_env={"RJ_KV_EVENTS_SILENCE_MS": "2000"},
+                       progress=False, plots=False)
+    (row,) = rows
+    assert row["error"] is None, row["error"]
+    assert row["turns"] > 10 and row["failures"] == 0 and row["cache_ratio"] > 0.5
+    state = row["precise"]
+    assert state["kv_precise_at_start"] == 16 and state["kv_precise"] == 16, state  # 2 engines x 8 ranks
+    assert state["predictions"] > 10 and state["prediction_agreement"] >= 0.9, state
+    assert state["kv_resident_host_tokens"] > 0, state  # the host tier's CPU_PINNED events reached the index
+    assert "precise-d4-hcon-e2: 16/16 replicas routed on their engine's events" in (tmp_path / "summary.md").read_text()
+
+
+def test_event_port_ranges_never_overlap():
+    from ramjet.bench.precise import plan
+    ports = plan(5, 8)
+    bases = sorted(b for p in ports for b in (p.events, p.replay))
+    assert len(bases) == 10 and all(b - a >= 8 for a, b in zip(bases, bases[1:]))
+
+
+def test_repeats_pair_placements_and_report_the_spread():
+    cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4)
+    cells = cfg.cells()
+    assert [(c["placement"], c["repeat"], c["seed"]) for c in cells[:4]] == [
+        ("relative", 0, 4), ("precise", 0, 4), ("relative", 1, 5), ("precise", 1, 5)]
+    rows = [{**c, "turns_per_min": 60.0 + i, "cache_ratio": 0.9 + 0.01 * (c["placement"] == "precise"),
+             "ttft_p50": 0.5, "ttft_p90": 1.0, "stickiness": 0.99} for i, c in enumerate(cells)]
+    text = format_repeats(rows)
+    assert "| relative | 16 | off | 1 | 3 | 90.0% (90.0%..90.0%) | 62.0 (60.0..64.0) |" in text
+    assert "| precise | 16 | off | 1 | 3 | +1.0 (+1.0..+1.0) | +1.0 (+1.0..+1.0) |" in text
+    assert text.rstrip().endswith("| 3/3/0 of 3 |")  # turns/min and cache better in every pair, TTFT p50 tied
+
+
 async def test_swarm_records_failures_and_stops_on_time_against_a_dead_url():
     """Every request fails, the agents back off and retry, and the run still ends at its duration."""
     from ramjet.demo.procs import free_port
@@ -109,7 +149,9 @@ def test_cli_parses_bench_subcommands():
     a = p.parse_args(["compare", "--placements", "direct,relative", "--developers", "16,64", "--hicache", "off,on",
                       "--tool-result-tokens", "1000", "--out", "x"])
     assert a.placements == ["direct", "relative"] and a.developers == [16, 64] and a.hicache == ["off", "on"]
-    assert a.time_scale == 20.0 and cli._workload(a).tool_result_tokens == 1000
+    assert a.time_scale == 20.0 and cli._workload(a).tool_result_tokens == 1000 and a.repeats == 1
+    a = p.parse_args(["compare", "--placements", "relative,precise", "--repeats", "3"])
+    assert a.placements == ["relative", "precise"] and a.repeats == 3
     a = p.parse_args(["swarm", "http://h:1", "http://h:2", "--developers", "3", "--sim-url", "http://s:1,http://s:2"])
     assert a.url == ["http://h:1", "http://h:2"] and a.time_scale == 1.0 and a.developers == 3
     assert cli._workload(a).fast_start is True

@@ -64,7 +64,9 @@ async def test_predictions_match_the_engines_cached_tokens_and_sessions_stick(fm
         # Sessions start up to 0.3 s apart: a first turn sent while another session's first turn is still
         # being read would find the shared prefix cached although nothing reported it yet (a race, not a miss).
         report = await run_sessions("http://ramjet", sessions=16, turns=6, seed=3, tool_s=0.3, transport=s.transport)
-        assert report.failures == 0 and report.stickiness >= 0.95, report.describe()
+        # The relative policy may move a session whose own blocks are worth less than a load unit (issue 15):
+        # under a loaded machine a few turns move, in either mode.
+        assert report.failures == 0 and report.stickiness >= 0.9, report.describe()
         agreed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="true")
         missed = await s.metric("ramjet_prefix_predictions_total", mode="precise", agreed="false")
         assert agreed / (agreed + missed) >= 0.95, (agreed, missed)

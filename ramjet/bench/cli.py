@@ -9,6 +9,7 @@ import sys
 from dataclasses import fields
 
 from ramjet.bench import compare as cmp
+from ramjet.bench.report import format_repeats
 from ramjet.bench.summary import format_summary, summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -114,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-kv-hint", action="store_true",
                    help="do not tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="run every cell N times, seeds SEED..SEED+N-1, a repeat's placements back to back; "
+                        "summary.md adds the mean (min..max) and the paired differences from the first placement (1)")
     _common(c, defaults, 20.0)
 
 
@@ -155,7 +159,7 @@ def _run_compare(args) -> int:
             seed=args.seed, salt_prefix=args.salt_prefix, out_dir=args.out,
             kv_tokens_per_rank=args.kv_tokens_per_rank, hicache_tokens_per_rank=args.hicache_tokens_per_rank,
             model=args.model, workload=_workload(args), request_timeout=args.request_timeout, balancer_env=env,
-            kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots)
+            kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats)
     except ValueError as e:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2
@@ -165,6 +169,8 @@ def _run_compare(args) -> int:
         print(f"{n} cells, about {est / 60:.1f} minutes; output in {cfg.out_dir}/", file=sys.stderr)
     rows = cmp.run_compare_config(cfg)
     print(cmp.format_table(rows))
+    if cfg.repeats > 1:
+        print("\n" + format_repeats(rows))
     return 1 if any(r.get("error") for r in rows) else 0
 
 

@@ -15,7 +15,15 @@ Placements:
   relative, absolute, marginal, ttft (every basis of ramjet.routing.policies)
                  `ramjet serve` with RJ_ROUTE_AFFINITY_BASIS set to that basis.
   load           `ramjet serve` with RJ_AFFINITY=load (affinity off: least load only).
+  precise        `ramjet serve`, relative basis, in precise mode (RJ_KV_EVENTS=zmq, RJ_TOKENIZER the
+                 simulator's tokenizer), in front of simulators that publish their KV cache events, each
+                 engine on port ranges of its own (ramjet/bench/precise.py); summary.md says how many
+                 replicas were routed on their events and how often the predictions agreed.
   sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
+
+With --repeats N every cell runs N times, seeds SEED..SEED+N-1, the placements of one repeat back to
+back; summary.md then adds each cell's mean (min..max) and every placement's paired difference from
+the first placement listed.
 
 Which replica served a request: `X-Ramjet-Upstream` (the balancer's ordinal, engine x 8 +
 rank), else the simulator's `X-Sim-Dp-Rank` (which the SGLang router passes through). With
@@ -32,22 +40,24 @@ warning in summary.md when one was near a full core (engine time may have stretc
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ramjet.demo import procs
+from ramjet.bench import precise
+from ramjet.bench.report import cell_name, format_table, write_outputs
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
+from ramjet.demo import procs
 from ramjet.routing.policies import POLICY_NAMES
 
-PLACEMENTS = ("direct", *POLICY_NAMES, "sglang-router")  # the balancer's placements are its routing policies
+# the balancer's placements are its routing policies, and the default one on the engines' KV events
+PLACEMENTS = ("direct", *POLICY_NAMES, "precise", "sglang-router")
 DP_SIZE = 8
 DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
 DEFAULT_HICACHE_TOKENS_PER_RANK = 670_000  # 32 GB host memory per rank at ~47.7 KB per token (ramjet fit)
@@ -76,6 +86,7 @@ class CompareConfig:
     sim_args: list[str] = field(default_factory=list)
     progress: bool = True
     plots: bool = True
+    repeats: int = 1                # every cell this many times, seeds seed..seed+repeats-1
 
     def __post_init__(self):
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -86,8 +97,8 @@ class CompareConfig:
         for h in self.hicache:
             if h not in ("off", "on"):
                 raise ValueError(f"--hicache takes off and/or on, not {h!r}")
-        if self.engines < 1:
-            raise ValueError("engines must be >= 1")
+        if self.engines < 1 or self.repeats < 1:
+            raise ValueError("engines and repeats must be >= 1")
         if self.salt_prefix is None:
             self.salt_prefix = os.urandom(4).hex()
 
@@ -95,13 +106,11 @@ class CompareConfig:
         out = []
         for h in self.hicache:
             for d in self.developers:
-                for p in self.placements:
-                    out.append({"placement": p, "developers": d, "hicache": h, "engines": self.engines})
+                for r in range(self.repeats):  # a repeat's placements back to back: paired in time
+                    for p in self.placements:
+                        cell = {"placement": p, "developers": d, "hicache": h, "engines": self.engines}
+                        out.append(cell if self.repeats == 1 else {**cell, "repeat": r, "seed": self.seed + r})
         return out
-
-
-def cell_name(cell: dict) -> str:
-    return f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
 
 
 def _start_router(urls: list[str], logs: Path, name: str, model: str) -> tuple[str, procs.ManagedProcess]:
@@ -117,11 +126,14 @@ def _sim_args(cfg: CompareConfig, hicache: str) -> list[str]:
             *cfg.sim_args]
 
 
-def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: list[str]) -> dict[str, str]:
+def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: list[str],
+                  events: list[precise.EventPorts] = ()) -> dict[str, str]:
     env = {"RJ_UPSTREAM": ",".join(sim_urls), "RJ_UPSTREAM_DP_SIZE": str(DP_SIZE),
            "RJ_HEALTH_INTERVAL_MS": "1000", "RJ_LOG_LEVEL": "warning"}
     if placement == "load":
         env["RJ_AFFINITY"] = "load"
+    elif placement == "precise":
+        env.update(precise.balancer_env(events, DP_SIZE))
     else:
         env["RJ_ROUTE_AFFINITY_BASIS"] = placement
     if cfg.kv_hint:
@@ -140,17 +152,19 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
     name = cell_name(cell)
     salt = f"{cfg.salt_prefix}-{index}"
     started: list[procs.ManagedProcess] = []
-    row = {**cell, "salt": salt, "seed": cfg.seed, "time_scale": cfg.time_scale, "duration_s": cfg.duration,
+    row = {"seed": cfg.seed, **cell, "salt": salt, "time_scale": cfg.time_scale, "duration_s": cfg.duration,
            "warmup_s": cfg.warmup, "error": None}
+    placement, replicas = cell["placement"], DP_SIZE * cell["engines"]
     t0 = time.monotonic()
     try:
         sim_urls = []
+        events = precise.plan(cell["engines"], DP_SIZE) if placement == "precise" else []
         for e in range(cell["engines"]):
             port = procs.free_port()
-            started.append(procs.start_sim(port, *_sim_args(cfg, cell["hicache"]),
+            extra = precise.sim_args(events[e]) if events else []
+            started.append(procs.start_sim(port, *_sim_args(cfg, cell["hicache"]), *extra,
                                            log_path=logs / f"{name}-sim{e}.log", timeout=60.0))
             sim_urls.append(f"http://127.0.0.1:{port}")
-        placement = cell["placement"]
         if placement == "direct":
             urls = sim_urls
         elif placement == "sglang-router":
@@ -159,18 +173,26 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
             urls = [url]
         else:
             port = procs.free_port()
-            started.append(procs.start_balancer(port, _balancer_env(cfg, placement, cell["hicache"], sim_urls),
-                                                log_path=logs / f"{name}-balancer.log", timeout=60.0))
+            env = _balancer_env(cfg, placement, cell["hicache"], sim_urls, events)
+            started.append(procs.start_balancer(port, env, log_path=logs / f"{name}-balancer.log", timeout=60.0))
             urls = [f"http://127.0.0.1:{port}"]
+        at_start = precise.wait_precise(urls[0], replicas) if events else None
         ramp = cfg.ramp if cfg.ramp is not None else min(cfg.warmup / 2, 30.0)
         scfg = SwarmConfig(urls=urls, model=cfg.model, developers=cell["developers"], duration=cfg.duration,
-                           warmup=cfg.warmup, ramp=ramp, time_scale=cfg.time_scale, seed=cfg.seed, salt=salt,
+                           warmup=cfg.warmup, ramp=ramp, time_scale=cfg.time_scale, seed=row["seed"], salt=salt,
                            request_timeout=cfg.request_timeout, workload=cfg.workload, stats_urls=sim_urls,
                            requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
                            label=f"[{index + 1}/{total} {name}] ")
+        sampler = precise.Sampler(urls[0]) if events else None
         cpu0, wall0 = _cpu_snapshot(started), time.monotonic()
-        result = asyncio.run(run_swarm(scfg))
+        try:
+            result = asyncio.run(run_swarm(scfg))
+        finally:
+            sampled = sampler.stop() if sampler else {}
         cpu = _cpu_share(cpu0, _cpu_snapshot(started), time.monotonic() - wall0)
+        if events:
+            row["precise"] = {**precise.precise_state(urls[0]), "kv_precise_at_start": at_start, **sampled,
+                              "fallback_reasons": precise.fallback_reasons(started[-1].env["RJ_ADMIN_ADDR"])}
         summary = summarize(result.records, warmup=cfg.warmup, duration=cfg.duration,
                             stats_start=result.stats_start, stats_end=result.stats_end)
         summary["loop_lag_p99_ms"] = result.loop_lag_p99_ms
@@ -230,86 +252,6 @@ def _row_fields(s: dict) -> dict:
     return {k: s.get(k) for k in keys}
 
 
-# --------------------------------------------------------------------------- table
-
-TABLE_COLUMNS = (
-    ("placement", "placement", "{}"),
-    ("developers", "devs", "{}"),
-    ("hicache", "HiCache", "{}"),
-    ("engines", "engines", "{}"),
-    ("turns_per_min", "turns/min", "{:.1f}"),
-    ("cache_ratio", "cache %", "{:.1%}"),
-    ("pct_of_ceiling", "% of ceiling", "{:.1%}"),
-    ("ttft_p50", "TTFT p50 s", "{:.2f}"),
-    ("ttft_p90", "TTFT p90 s", "{:.2f}"),
-    ("ttft_p99", "TTFT p99 s", "{:.2f}"),
-    ("stickiness", "stickiness", "{:.1%}"),
-    ("failures", "failures", "{}"),
-)
-
-
-def _cell_text(row: dict, key: str, fmt: str) -> str:
-    v = row.get(key)
-    if v is None:
-        return "-"
-    try:
-        return fmt.format(v)
-    except (ValueError, TypeError):
-        return str(v)
-
-
-def format_table(rows: list[dict]) -> str:
-    """One Markdown table, one row per cell (a failed cell shows its error below the table)."""
-    head = "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
-    sep = "|" + "|".join(("---" if i < 4 else "---:") for i in range(len(TABLE_COLUMNS))) + "|"
-    lines = [head, sep]
-    errors = []
-    for r in rows:
-        lines.append("| " + " | ".join(_cell_text(r, k, f) for k, _, f in TABLE_COLUMNS) + " |")
-        if r.get("error"):
-            errors.append(f"- {cell_name(r)}: {r['error'].splitlines()[0]}")
-    if errors:
-        lines += ["", "Errors:", *errors]
-    return "\n".join(lines)
-
-
-def _describe(cfg: CompareConfig) -> str:
-    return (f"`ramjet bench compare` seed {cfg.seed}, time scale {cfg.time_scale:g}, warm-up {cfg.warmup:g} s, "
-            f"window {cfg.duration:g} s (engine time), {cfg.engines} engine(s) x {DP_SIZE} ranks, "
-            f"{cfg.kv_tokens_per_rank:,} KV tokens per rank, HiCache {cfg.hicache_tokens_per_rank:,} tokens per rank "
-            f"when on; machine: {os.cpu_count()} CPUs.")
-
-
-def write_outputs(cfg: CompareConfig, rows: list[dict]) -> None:
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": {**{k: v for k, v in asdict(cfg).items() if k != "workload"},
-                       "workload": asdict(cfg.workload)}, "rows": rows}
-    (out / "summary.json").write_text(json.dumps(meta, indent=2, default=str))
-    md = ["# Agent-swarm comparison", "", _describe(cfg), "", format_table(rows), ""]
-    busy = [(cell_name(r), k, v) for r in rows for k, v in (r.get("cpu_share") or {}).items() if v >= 0.85]
-    if busy:
-        md += ["Warning: some processes used most of a CPU core, so simulated engine time may have stretched; "
-               "a lower --time-scale gives more faithful figures:",
-               *[f"- {c}: {k} {v:.0%} of a core" for c, k, v in busy], ""]
-    floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
-    if floors:
-        md += ["TTFT floor (median time to first token of tiny one-token requests on the idle stack, in engine "
-               "seconds: real transport and proxy time multiplied by the time scale): " + "; ".join(floors) + ".", ""]
-    shares = [f"{cell_name(r)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["cpu_share"].items())
-              for r in rows if r.get("cpu_share")]
-    if shares:
-        md += ["CPU used while the swarm ran (share of one core):", "", *[f"- {x}" for x in shares], ""]
-    if cfg.plots and any(r.get("turns_per_min") is not None for r in rows):
-        try:
-            from ramjet.bench.plots import make_plots
-            for p in make_plots(rows, out):
-                md.append(f"![{p.stem}]({p.name})")
-        except ImportError as e:  # matplotlib is an optional extra
-            md.append(f"(no plots: {e})")
-    (out / "summary.md").write_text("\n".join(md) + "\n")
-
-
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / total) if total else width
     return "[" + "#" * filled + "-" * (width - filled) + "]"
@@ -326,7 +268,7 @@ def run_compare(placements, developers, hicache=("off",), engines: int = 1, dura
                 hicache_tokens_per_rank: int = DEFAULT_HICACHE_TOKENS_PER_RANK, model: str = "glm-5.3",
                 workload: WorkloadConfig | None = None, ramp: float | None = None, request_timeout: float = 600.0,
                 balancer_env: dict[str, str] | None = None, kv_hint: bool = True, sim_args=(),
-                progress: bool = True, plots: bool = True) -> list[dict]:
+                progress: bool = True, plots: bool = True, repeats: int = 1) -> list[dict]:
     """Run every cell (hicache x developers x placements) and write DIR/summary.md, summary.json, PNGs, logs/."""
     cfg = CompareConfig(placements=list(placements), developers=[int(d) for d in developers],
                         hicache=list(hicache), engines=engines, duration=duration, warmup=warmup, ramp=ramp,
@@ -334,7 +276,7 @@ def run_compare(placements, developers, hicache=("off",), engines: int = 1, dura
                         kv_tokens_per_rank=kv_tokens_per_rank, hicache_tokens_per_rank=hicache_tokens_per_rank,
                         model=model, workload=workload or WorkloadConfig(), request_timeout=request_timeout,
                         balancer_env=dict(balancer_env or {}), kv_hint=kv_hint, sim_args=list(sim_args),
-                        progress=progress, plots=plots)
+                        progress=progress, plots=plots, repeats=repeats)
     return run_compare_config(cfg)
 
 

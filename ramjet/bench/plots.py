@@ -15,8 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ramjet.routing.policies import POLICY_NAMES  # noqa: E402
 
-# baselines first, then the balancer's policies (the default last, beside the router)
-PLACEMENT_ORDER = ("direct", *reversed(POLICY_NAMES), "sglang-router")
+# baselines first, then the balancer's policies (the default last, beside the router); precise mode after
+# them all, so the other placements keep their colours
+PLACEMENT_ORDER = ("direct", *reversed(POLICY_NAMES), "sglang-router", "precise")
 
 
 def _settings(rows: list[dict]) -> list[tuple[str, int]]:

@@ -1,0 +1,174 @@
+"""Precise mode's routing cost per request: render + tokenize + chain hashing + token index walk.
+
+What the balancer adds to a request in precise mode (RJ_KV_EVENTS=zmq) before it
+scores the replicas, measured on the simulator's tokenizer and chat template (the
+tokenizer directory the balancer is given as RJ_TOKENIZER):
+
+- warm extend: a coding agent's next turn, a 115K-token chat body that extends a
+  conversation the balancer tokenized one turn earlier (its pieces are in the
+  incremental tokenizer's cache; each repetition adds a new assistant message and a
+  new tool result, about 1.6K tokens, so every repetition tokenizes new text);
+- cold: a 115K-token prompt whose text the balancer has never seen.
+
+Each request is rendered with the chat template and tokenized
+(ramjet.routing.prompt_tokens.PromptTokenizer, loaded by
+ramjet.balancer.precise.load_tokenizer), hashed into 64-token blocks
+(ramjet.routing.token_index.chain) and walked through a TokenIndex of 8 replicas
+that holds this conversation's previous turn on one replica, part of it on another,
+the shared harness on a third, and other sessions' blocks on every replica (a full
+193K-token pool each). Parsing the JSON body is not counted (the balancer parses it
+once for both modes; benchmarks/routing_cost.py measures it). The balancer runs this
+on a worker thread; the figures are the work itself. It prints figures, it checks
+nothing: the design target is a median of at most 2 ms for the warm extend. Run:
+
+    python benchmarks/precise_routing_cost.py [--repeat 300] [--cold-repeat 10] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from importlib.resources import files
+
+from ramjet.balancer.precise import load_tokenizer
+from ramjet.bench.text import TextSource
+from ramjet.bench.world import World, WorkloadConfig
+from ramjet.routing.token_index import TokenIndex, chain
+
+BLOCK = 64                      # the simulator's page (SGLang's block size in its events)
+REPLICAS = 8
+POOL_TOKENS = 193_000           # per replica, as in `ramjet bench compare`
+TOKENIZER_DIR = files("ramjet.sim") / "tokenizer"
+
+
+def conversation(salt: str, tokens: int, tokenizer, step_tokens: int = 1500) -> list[dict]:
+    """An agent conversation (harness system prompt and tools, repository instructions, then tool calls and
+    results) whose rendered prompt is just under `tokens` tokens; the tools are returned as the last item."""
+    text = TextSource(salt)
+    world = World(WorkloadConfig(), seed=1, text=text)
+    harness, repo = world.harnesses[1], world.repos[0]
+    messages = [{"role": "system", "content": harness.system},
+                {"role": "user", "content": repo.instructions + "\n\n" + text.text("task", 250)}]
+    k = 0
+    while True:
+        step = [assistant(text, f"a{k}"), tool_result(text, f"t{k}", step_tokens)]
+        if count(tokenizer, messages + step, harness.tools) > tokens:
+            return messages + [harness.tools]
+        messages += step
+        k += 1
+
+
+def assistant(text: TextSource, ident: str) -> dict:
+    return {"role": "assistant", "content": text.text(ident, 120),
+            "tool_calls": [{"id": ident, "type": "function",
+                            "function": {"name": "read_file", "arguments": '{"target": "src/%s.py"}' % ident}}]}
+
+
+def tool_result(text: TextSource, ident: str, tokens: int) -> dict:
+    return {"role": "tool", "tool_call_id": ident, "content": text.text(ident, tokens)}
+
+
+def count(tokenizer, messages: list[dict], tools: list) -> int:
+    return len(tokenizer.encode(tokenizer.render_chat({"messages": messages, "tools": tools})))
+
+
+def body(messages: list[dict], tools: list) -> dict:
+    return {"model": "glm-5.3", "messages": messages, "tools": tools, "stream": True, "max_tokens": 1024}
+
+
+def filled_index(own: list[int], rng: random.Random) -> TokenIndex:
+    """8 replicas, each a full pool of other sessions' blocks; this conversation's previous turn on replica 2,
+    its first 60% on replica 5, its first 18K tokens (the harness) on replica 7."""
+    index = TokenIndex(REPLICAS)
+    engine_hash = iter(range(1, 1 << 62))
+
+    def store(replica: int, ids: list[int]) -> None:
+        n = len(ids) // BLOCK
+        index.stored(replica, [next(engine_hash) for _ in range(n)], None, ids[:n * BLOCK], BLOCK, "GPU")
+
+    for r in range(REPLICAS):
+        for _ in range(POOL_TOKENS // (600 * BLOCK)):  # other sessions: chains of 600 blocks (38K tokens)
+            store(r, [rng.randrange(1, 30_000) for _ in range(600 * BLOCK)])
+    store(2, own)
+    store(5, own[: len(own) * 6 // 10])
+    store(7, own[:18_000])
+    return index
+
+
+def one(tokenizer, index: TokenIndex, request: dict) -> tuple[float, float, float, float, int, list]:
+    """(render, tokenize, chain, walk) seconds for one request, its prompt tokens and what each replica holds."""
+    t0 = time.perf_counter()
+    text = tokenizer.render_chat(request)
+    t1 = time.perf_counter()
+    ids = tokenizer.encode(text)
+    t2 = time.perf_counter()
+    hashes = chain(ids, BLOCK)
+    t3 = time.perf_counter()
+    held = index.held_chains({BLOCK: hashes})
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(ids), held
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))]
+
+
+def report(name: str, runs: list[tuple], new_tokens: int | None) -> None:
+    render, encode, hashing, walk = ([r[i] * 1e3 for r in runs] for i in range(4))
+    total = [sum(r[:4]) * 1e3 for r in runs]
+    prompt = statistics.median(r[4] for r in runs)
+    print(f"| {name} | {prompt / 1000:.1f}K | {'-' if new_tokens is None else f'{new_tokens / 1000:.1f}K'} "
+          f"| {len(runs)} | {statistics.median(render):.2f} | {statistics.median(encode):.2f} "
+          f"| {statistics.median(hashing):.2f} | {statistics.median(walk):.3f} | {statistics.median(total):.2f} "
+          f"| {pct(total, 90):.2f} | {pct(total, 99):.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=115_000, help="prompt size (115000)")
+    ap.add_argument("--repeat", type=int, default=300, help="warm-extend repetitions (300)")
+    ap.add_argument("--cold-repeat", type=int, default=10, help="cold-prompt repetitions (10)")
+    ap.add_argument("--quick", action="store_true", help="30 warm and 2 cold repetitions: a smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeat, args.cold_repeat = 30, 2
+    setup = time.perf_counter()
+    counter = load_tokenizer(TOKENIZER_DIR)  # sizes the conversations; the measured tokenizer sees only requests
+    *base, tools = conversation("precise-cost", args.tokens - 1700, counter)
+    text = TextSource("precise-cost")
+    extends = [body(base + [assistant(text, f"x{i}"), tool_result(text, f"y{i}", 1500)], tools)
+               for i in range(args.repeat)]
+    colds = []
+    for i in range(args.cold_repeat):
+        *messages, cold_tools = conversation(f"cold-{i}", args.tokens, counter)
+        colds.append(body(messages, cold_tools))
+    del counter
+    tokenizer = load_tokenizer(TOKENIZER_DIR)  # what the balancer loads from RJ_TOKENIZER
+    tokenizer.part_separator = " "  # as the balancer sets it for an SGLang engine; no request here has parts
+    previous = tokenizer.encode(tokenizer.render_chat(body(base, tools)))  # the turn the balancer saw: cached
+    index = filled_index(list(previous), random.Random(7))
+    print(f"(set-up {time.perf_counter() - setup:.1f} s; index: {sum(index.size(r) for r in range(REPLICAS)):,} "
+          f"blocks on {REPLICAS} replicas)")
+
+    gc.collect()
+    warm = [one(tokenizer, index, b) for b in extends]
+    held = warm[-1][5]
+    cold = [one(tokenizer, index, b) for b in colds]
+    print(f"\nwarm extend: replica 2 holds {held[2].gpu_tokens:,} of {warm[-1][4]:,} tokens, replica 5 "
+          f"{held[5].gpu_tokens:,}, replica 7 {held[7].gpu_tokens:,}; cold: every replica holds "
+          f"{max(h.tokens for h in cold[-1][5]):,}\n")
+    print("| request | prompt tokens | new tokens | runs | render ms | tokenize ms | chain ms | walk ms "
+          "| total median ms | p90 ms | p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    report("warm extend", warm, warm[-1][4] - len(previous))
+    report("cold", cold, None)
+    median = statistics.median(sum(r[:4]) for r in warm) * 1e3
+    print(f"\nwarm extend median {median:.2f} ms against the 2 ms target: {'within' if median <= 2 else 'OVER'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""What `ramjet bench compare` writes: the table, summary.md and summary.json, and with --repeats the
+mean and spread per cell and the paired differences against the first placement listed."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from ramjet.bench import precise
+
+TABLE_COLUMNS = (
+    ("placement", "placement", "{}"),
+    ("developers", "devs", "{}"),
+    ("hicache", "HiCache", "{}"),
+    ("engines", "engines", "{}"),
+    ("turns_per_min", "turns/min", "{:.1f}"),
+    ("cache_ratio", "cache %", "{:.1%}"),
+    ("pct_of_ceiling", "% of ceiling", "{:.1%}"),
+    ("ttft_p50", "TTFT p50 s", "{:.2f}"),
+    ("ttft_p90", "TTFT p90 s", "{:.2f}"),
+    ("ttft_p99", "TTFT p99 s", "{:.2f}"),
+    ("stickiness", "stickiness", "{:.1%}"),
+    ("failures", "failures", "{}"),
+)
+# what --repeats aggregates: (key, header, format of a value, format of a difference)
+SPREAD_COLUMNS = (
+    ("cache_ratio", "cache %", "{:.1%}", "{:+.1f}"),
+    ("turns_per_min", "turns/min", "{:.1f}", "{:+.1f}"),
+    ("ttft_p50", "TTFT p50 s", "{:.2f}", "{:+.2f}"),
+    ("ttft_p90", "TTFT p90 s", "{:.2f}", "{:+.2f}"),
+    ("stickiness", "stickiness", "{:.1%}", "{:+.1f}"),
+)
+_POINTS = {"cache_ratio", "stickiness"}  # shares: differences in percentage points
+_SETTING = ("developers", "hicache", "engines")
+
+
+def cell_name(cell: dict) -> str:
+    name = f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
+    return name + (f"-r{cell['repeat']}" if "repeat" in cell else "")
+
+
+def _cell_text(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "-"
+    try:
+        return fmt.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def format_table(rows: list[dict]) -> str:
+    """One Markdown table, one row per cell (a failed cell shows its error below the table)."""
+    head = "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
+    sep = "|" + "|".join(("---" if i < 4 else "---:") for i in range(len(TABLE_COLUMNS))) + "|"
+    lines = [head, sep]
+    errors = []
+    for r in rows:
+        lines.append("| " + " | ".join(_cell_text(r, k, f) for k, _, f in TABLE_COLUMNS) + " |")
+        if r.get("error"):
+            errors.append(f"- {cell_name(r)}: {r['error'].splitlines()[0]}")
+    if errors:
+        lines += ["", "Errors:", *errors]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- repeats
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if not r.get("error") and r.get("turns_per_min") is not None]
+
+
+def _groups(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.fmean(values))} ({fmt.format(min(values))}..{fmt.format(max(values))})"
+
+
+def mean_rows(rows: list[dict]) -> list[dict]:
+    """One row per cell (placement x setting): the mean over its repeats, for the plots."""
+    out = []
+    for (p, *setting), group in _groups(_ok(rows), ("placement", *_SETTING)).items():
+        row = {"placement": p, **dict(zip(_SETTING, setting)), "runs": len(group)}
+        for key, *_ in TABLE_COLUMNS[4:]:
+            values = [r[key] for r in group if r.get(key) is not None]
+            row[key] = statistics.fmean(values) if values else None
+        out.append(row)
+    return out
+
+
+def format_repeats(rows: list[dict]) -> str:
+    """Mean (min..max) per cell over its repeats, then each placement minus the first one, repeat by repeat."""
+    ok = _ok(rows)
+    head = "| placement | devs | HiCache | engines | runs | " + " | ".join(h for _, h, _, _ in SPREAD_COLUMNS) + " |"
+    lines = [head, "|---|---|---|---|---:|" + "---:|" * len(SPREAD_COLUMNS)]
+    for (p, d, h, e), group in _groups(ok, ("placement", *_SETTING)).items():
+        cells = [_spread([r[k] for r in group if r.get(k) is not None], f) for k, _, f, _ in SPREAD_COLUMNS]
+        lines.append(f"| {p} | {d} | {h} | {e} | {len(group)} | " + " | ".join(cells) + " |")
+    placements = list(dict.fromkeys(r["placement"] for r in rows))
+    if len(placements) < 2:
+        return "\n".join(lines)
+    base = placements[0]
+    lines += ["", (f"Paired differences, placement - {base}, over the repeats run with the same seed "
+                   "(mean (min..max); 'better' counts the repeats where the placement did better):"), "",
+              ("| placement | devs | HiCache | engines | pairs | "
+               + " | ".join(f"{h} diff" + (" (pt)" if k in _POINTS else "") for k, h, _, _ in SPREAD_COLUMNS)
+               + " | better (turns/min, cache, TTFT p50) |"),
+              "|---|---|---|---|---:|" + "---:|" * (len(SPREAD_COLUMNS) + 1)]
+    for (d, h, e), group in _groups(ok, _SETTING).items():
+        by_repeat = _groups(group, ("repeat",)) if all("repeat" in r for r in group) else {(0,): group}
+        for p in placements[1:]:
+            pairs = []
+            for same in by_repeat.values():
+                a = next((r for r in same if r["placement"] == base), None)
+                b = next((r for r in same if r["placement"] == p), None)
+                if a is not None and b is not None:
+                    pairs.append((a, b))
+            if not pairs:
+                continue
+            cells, wins = [], []
+            for key, _, _, fmt in SPREAD_COLUMNS:
+                diffs = [(b[key] - a[key]) * (100 if key in _POINTS else 1) for a, b in pairs
+                         if a.get(key) is not None and b.get(key) is not None]
+                cells.append(_spread(diffs, fmt))
+            for key, sign in (("turns_per_min", 1), ("cache_ratio", 1), ("ttft_p50", -1)):
+                wins.append(sum(1 for a, b in pairs if a.get(key) is not None and b.get(key) is not None
+                                and sign * (b[key] - a[key]) > 0))
+            lines.append(f"| {p} | {d} | {h} | {e} | {len(pairs)} | " + " | ".join(cells)
+                         + f" | {'/'.join(map(str, wins))} of {len(pairs)} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- files
+
+def _describe(cfg) -> str:
+    seeds = f"seed {cfg.seed}" if cfg.repeats == 1 else f"seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1}"
+    return (f"`ramjet bench compare` {seeds}, time scale {cfg.time_scale:g}, warm-up {cfg.warmup:g} s, "
+            f"window {cfg.duration:g} s (engine time), {cfg.engines} engine(s) x 8 ranks, "
+            f"{cfg.kv_tokens_per_rank:,} KV tokens per rank, HiCache {cfg.hicache_tokens_per_rank:,} tokens per rank "
+            f"when on; machine: {os.cpu_count()} CPUs.")
+
+
+def write_outputs(cfg, rows: list[dict]) -> None:
+    """DIR/summary.json (config and every row), summary.md (tables, warnings, CPU shares) and the plots."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": {**{k: v for k, v in asdict(cfg).items() if k != "workload"},
+                       "workload": asdict(cfg.workload)}, "rows": rows}
+    (out / "summary.json").write_text(json.dumps(meta, indent=2, default=str))
+    md = ["# Agent-swarm comparison", "", _describe(cfg), "", format_table(rows), ""]
+    if cfg.repeats > 1:
+        md += ["## Over the repeats", "", format_repeats(rows), ""]
+    busy = [(cell_name(r), k, v) for r in rows for k, v in (r.get("cpu_share") or {}).items() if v >= 0.85]
+    if busy:
+        md += ["Warning: some processes used most of a CPU core, so simulated engine time may have stretched; "
+               "a lower --time-scale gives more faithful figures:",
+               *[f"- {c}: {k} {v:.0%} of a core" for c, k, v in busy], ""]
+    states = [precise.describe(cell_name(r), r["precise"], 8 * r["engines"]) for r in rows if "precise" in r]
+    if states:
+        md += ["Precise mode (the balancer's /metrics after the swarm):", "", *[f"- {x}" for x in states], ""]
+    floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
+    if floors:
+        md += [("TTFT floor (median time to first token of tiny one-token requests on the idle stack, in engine "
+                "seconds: real transport and proxy time multiplied by the time scale): " + "; ".join(floors) + "."), ""]
+    shares = [f"{cell_name(r)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["cpu_share"].items())
+              for r in rows if r.get("cpu_share")]
+    if shares:
+        md += ["CPU used while the swarm ran (share of one core):", "", *[f"- {x}" for x in shares], ""]
+    if cfg.plots and _ok(rows):
+        try:
+            from ramjet.bench.plots import make_plots
+            for p in make_plots(mean_rows(rows) if cfg.repeats > 1 else rows, out):
+                md.append(f"![{p.stem}]({p.name})")
+        except ImportError as e:  # matplotlib is an optional extra
+            md.append(f"(no plots: {e})")
+    (out / "summary.md").write_text("\n".join(md) + "\n")
