@@ -29,8 +29,15 @@ ENV RJ_API_ADDR=0.0.0.0:8000 \
     RJ_METRICS_ADDR=0.0.0.0:9090
 EXPOSE 8000 9090
 
-# slim has no curl. /health is 200 while any replica serves ("ok" or "degraded"), 503 when none does.
+# Liveness, not readiness: /livez is 200 whenever the process answers. An orchestrator that acts on
+# this status (Swarm replaces unhealthy tasks, autoheal restarts them) must not restart a balancer that
+# is draining after SIGTERM or whose every engine rank is fenced: /readyz and /health are 503 then, and
+# a restart would only cut its streams (docs/operations.md, "Shutdown and rolling upgrades"). Asked on
+# the metrics listener (RJ_METRICS_ADDR above: probe 8000 if you turn it off), which a balancer full
+# of clients (RJ_CLIENT_MAX_CONNECTIONS) still answers.
+# Readiness (/readyz) belongs to whatever sends traffic; the Compose bundle overrides this check with it.
+# slim has no curl.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9090/livez', timeout=4)"]
 
 CMD ["ramjet", "serve"]

@@ -33,10 +33,10 @@ import statistics
 import time
 from importlib.resources import files
 
-from ramjet.balancer.precise import load_tokenizer
+from ramjet.balancer.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
 from ramjet.bench.world import World, WorkloadConfig
-from ramjet.routing.token_index import TokenIndex, chain
+from ramjet.routing.token_index import TokenIndex
 
 BLOCK = 64                      # the simulator's page (SGLang's block size in its events)
 REPLICAS = 8
@@ -56,9 +56,14 @@ def conversation(salt: str, tokens: int, tokenizer, step_tokens: int = 1500) -> 
     while True:
         step = [assistant(text, f"a{k}"), tool_result(text, f"t{k}", step_tokens)]
         if count(tokenizer, messages + step, harness.tools) > tokens:
-            return messages + [harness.tools]
+            break
         messages += step
         k += 1
+    for size in range(step_tokens, 0, -100):  # the last tool result fills what is left, to within 100 tokens
+        step = [assistant(text, f"a{k}"), tool_result(text, f"t{k}", size)]
+        if count(tokenizer, messages + step, harness.tools) <= tokens:
+            return messages + step + [harness.tools]
+    return messages + [harness.tools]
 
 
 def assistant(text: TextSource, ident: str) -> dict:
@@ -103,13 +108,13 @@ def one(tokenizer, index: TokenIndex, request: dict) -> tuple[float, float, floa
     t0 = time.perf_counter()
     text = tokenizer.render_chat(request)
     t1 = time.perf_counter()
-    ids = tokenizer.encode(text)
+    prompt = tokenizer.encode_rendered(text)
     t2 = time.perf_counter()
-    hashes = chain(ids, BLOCK)
+    hashes = Matcher.chain(prompt, BLOCK)
     t3 = time.perf_counter()
     held = index.held_chains({BLOCK: hashes})
     t4 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(ids), held
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, prompt.length, held
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -149,7 +154,9 @@ def main() -> None:
     del counter
     tokenizer = load_tokenizer(TOKENIZER_DIR)  # what the balancer loads from RJ_TOKENIZER
     tokenizer.part_separator = " "  # as the balancer sets it for an SGLang engine; no request here has parts
-    previous = tokenizer.encode(tokenizer.render_chat(body(base, tools)))  # the turn the balancer saw: cached
+    seen = tokenizer.encode_rendered(tokenizer.render_chat(body(base, tools)))  # the turn the balancer saw
+    Matcher.chain(seen, BLOCK)
+    previous = seen.ids
     index = filled_index(list(previous), random.Random(7))
     print(f"(set-up {time.perf_counter() - setup:.1f} s; index: {sum(index.size(r) for r in range(REPLICAS)):,} "
           f"blocks on {REPLICAS} replicas)")

@@ -14,6 +14,13 @@ ahead of PYTHONPATH), so another checkout is measured through PYTHONPATH; the he
     python benchmarks/proxy_overhead.py [--repeat 3] [--requests 2000] [--skip-router]
     PYTHONPATH=/tmp/orig python benchmarks/proxy_overhead.py    # the code checked out at /tmp/orig
     python benchmarks/proxy_overhead.py --baseline /tmp/orig      # this checkout and that one, same run
+    python benchmarks/proxy_overhead.py --skip-router --workers 2  # RJ_WORKERS=2 (precise mode, as it requires)
+    python benchmarks/proxy_overhead.py --skip-router --precise    # one worker, precise mode: the comparison
+
+With --precise or --workers N > 1 the simulator publishes KV events (with a replay socket) and the balancer
+routes on them (RJ_KV_EVENTS=zmq, the simulator's tokenizer), since RJ_WORKERS > 1 requires it. Proxy CPU is
+then the supervisor's and every worker's, and each run also prints the per-worker load: requests per worker
+(told apart by their request id prefix) and CPU per worker process.
 """
 
 from __future__ import annotations
@@ -70,6 +77,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def free_run(n: int) -> int:
+    """A base port with `n` consecutive free ports (the simulator's rank r publishes on base + r)."""
+    for _ in range(50):
+        base, held = free_port(), []
+        try:
+            for port in range(base, base + n):
+                held.append(socket.socket())
+                held[-1].bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise StartError("no run of free ports for the KV event publishers")
 
 
 def chat_body(n: int, stream_tokens: int = 0, max_tokens: int = 4) -> bytes:
@@ -129,6 +153,10 @@ class Child:
         """utime+stime of the tree, plus cutime+cstime (children it has already reaped)."""
         return sum(sum(map(int, f[11:15])) for f in tree(self.proc.pid).values()) / TICK
 
+    def cpu_by_pid(self) -> dict[int, float]:
+        """utime+stime of each live process of the tree (a supervisor and its workers)."""
+        return {pid: sum(map(int, f[11:13])) / TICK for pid, f in tree(self.proc.pid).items() if f}
+
     def rss_mb(self) -> float:
         kb = 0
         for pid in tree(self.proc.pid):
@@ -156,15 +184,30 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
     """The simulator, then the proxies in front of it; returns [(name, url, child or None)], sim."""
     py, port = sys.executable, free_port()
     sim_url = f"http://{HOST}:{port}"
+    sim_args, extra = [], {}  # the simulator's arguments, the balancer's settings for --precise / --workers
+    if args.precise or args.workers > 1:  # KV events with a replay socket; the balancer routes on them
+        events = free_run(8)
+        while abs((replays := free_run(8)) - events) < 8:
+            pass
+        sim_args = ["--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": f"tcp://{HOST}:{events}",
+                                                      "replay_endpoint": f"tcp://{HOST}:{replays}"})]
+        tokenizer = subprocess.run([py, "-c", "from importlib.resources import files; "
+                                    "print(files('ramjet.sim') / 'tokenizer')"], env=env, cwd=workdir,
+                                   capture_output=True, text=True, check=True).stdout.strip()
+        extra = {"RJ_KV_EVENTS": "zmq", "RJ_TOKENIZER": tokenizer,
+                   "RJ_KV_EVENTS_REPLAY_ENDPOINT": "tcp://{host}:%d" % replays}
+    if args.workers > 1:  # no drain at the end: the supervisor exits, and removes its directory, within stop_all's 5 s
+        extra.update(RJ_WORKERS=str(args.workers), RJ_SHUTDOWN_DRAIN_MS="0")
     sim = Child("sim", [py, "-m", "ramjet", "sim", "--host", HOST, "--port", str(port),
-                        "--dp-size", "8", "--time-scale", "1000"], env, workdir)
+                        "--dp-size", "8", "--time-scale", "1000", *sim_args], env, workdir)
     children.append(sim)
     sim.wait_ready(sim_url, 60)
     port = free_port()
     bal_env = {**env, "RJ_UPSTREAM": sim_url, "RJ_UPSTREAM_DP_SIZE": "8", "RJ_API_ADDR": f"{HOST}:{port}",
-               "RJ_HEALTH_INTERVAL_MS": "3600000"}  # one probe round at start, none during the phases
+               "RJ_HEALTH_INTERVAL_MS": "3600000", **extra}  # one probe round at start, none during the phases
     children.append(Child("ramjet", [py, "-m", "ramjet", "serve"], bal_env, workdir))
     children[-1].wait_ready(f"http://{HOST}:{port}", 60)
+    wait_workers(f"http://{HOST}:{port}", args.workers, children[-1])
     targets = [("direct", sim_url, None), ("ramjet", f"http://{HOST}:{port}", children[-1])]
     if args.baseline:  # the same balancer from another checkout, in the same run
         port = free_port()
@@ -187,6 +230,17 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
     return targets, sim
 
 
+def wait_workers(url: str, n: int, child: Child, timeout: float = 60.0) -> None:
+    """Until `n` balancer processes answered (request id prefixes), each request on a new connection."""
+    seen, deadline = set(), time.monotonic() + timeout
+    while len(seen) < n and time.monotonic() < deadline:
+        req = urllib.request.Request(url + "/v1/chat/completions", chat_body(next(SEQ), max_tokens=1), JSON)
+        with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=5) as r:
+            seen.add(r.headers.get("x-ramjet-request-id", "").split("-")[0])
+    if len(seen) < n:
+        raise StartError(f"{child.name}: {len(seen)} of {n} workers answered within {timeout:.0f}s")
+
+
 def session(conns: int):
     """Keep-alive connections to one target for one phase; no cookies, no redirects."""
     if aiohttp:
@@ -195,24 +249,29 @@ def session(conns: int):
     return httpx.AsyncClient(limits=httpx.Limits(max_connections=conns), timeout=60)
 
 
-async def post(s, url: str, body: bytes, stream: bool) -> tuple[int, int]:
-    """(status, SSE data events other than [DONE]); the whole response is read either way."""
+async def post(s, url: str, body: bytes, stream: bool) -> tuple[int, int, str]:
+    """(status, SSE data events other than [DONE], the balancer process that answered: its request id prefix);
+    the whole response is read either way."""
     if aiohttp:
         async with s.post(url, data=body, headers=JSON, allow_redirects=False) as r:
+            who = r.headers.get("x-ramjet-request-id", "").split("-")[0]
             if stream:
-                return r.status, sum([x.startswith(b"data:") and x.strip() != b"data: [DONE]" async for x in r.content])
+                return r.status, sum([x.startswith(b"data:") and x.strip() != b"data: [DONE]"
+                                      async for x in r.content]), who
             await r.read()
-            return r.status, 0
+            return r.status, 0, who
     async with s.stream("POST", url, content=body, headers=JSON) as r:
+        who = r.headers.get("x-ramjet-request-id", "").split("-")[0]
         if stream:
-            return r.status_code, sum([x.startswith("data:") and x != "data: [DONE]" async for x in r.aiter_lines()])
+            return r.status_code, sum([x.startswith("data:") and x != "data: [DONE]"
+                                       async for x in r.aiter_lines()]), who
         await r.aread()
-        return r.status_code, 0
+        return r.status_code, 0, who
 
 
 async def drive(s, url: str, clients: int, count: int, cap_s: float, tokens: int):
     """At most `count` requests over `clients` workers; no new request after `cap_s` seconds."""
-    lat, errs, events = [], [], 0
+    lat, errs, events, by = [], [], 0, {}
     todo, deadline = iter(range(count)), time.monotonic() + cap_s
 
     async def worker():
@@ -223,17 +282,18 @@ async def drive(s, url: str, clients: int, count: int, cap_s: float, tokens: int
             body = chat_body(next(SEQ), tokens)
             t = time.perf_counter()
             try:
-                status, n = await post(s, url + "/v1/chat/completions", body, bool(tokens))
+                status, n, who = await post(s, url + "/v1/chat/completions", body, bool(tokens))
             except Exception as e:  # counted and shown, never fatal: a slow proxy is a result
                 errs.append(repr(e))
                 continue
             if status == 200:
                 lat.append(time.perf_counter() - t)
                 events += n
+                by[who] = by.get(who, 0) + 1
             else:
                 errs.append(f"HTTP {status}")
     await asyncio.gather(*(worker() for _ in range(clients)))
-    return lat, errs, events
+    return lat, errs, events, by
 
 
 async def phase(target, sim: Child, clients: int, count: int, cap_s: float, tokens: int = 0) -> dict:
@@ -245,12 +305,15 @@ async def phase(target, sim: Child, clients: int, count: int, cap_s: float, toke
         return child and child.cpu(), sim.cpu(), sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), time.perf_counter()
     async with session(clients) as s:
         await drive(s, url, clients, 2 * clients, cap_s, tokens)
+        pids = child and child.cpu_by_pid()
         before = snap()
-        lat, errs, events = await drive(s, url, clients, count, cap_s, tokens)
+        lat, errs, events, by = await drive(s, url, clients, count, cap_s, tokens)
         cpu, sim_cpu, own, wall = (None if a is None else b - a for a, b in zip(before, snap()))
+        per_pid = child and {pid: t - pids[pid] for pid, t in child.cpu_by_pid().items() if pid in pids}
     if errs:
         print(f"  {len(errs)} failed, e.g. {errs[0]}", file=sys.stderr)
-    return {"lat": lat, "errs": len(errs), "events": events, "wall": wall, "cpu": cpu, "sim": sim_cpu, "client": own}
+    return {"lat": lat, "errs": len(errs), "events": events, "wall": wall, "cpu": cpu, "sim": sim_cpu, "client": own,
+            "by_worker": by, "cpu_by_pid": per_pid, "root": child and child.proc.pid}
 
 
 def scrape_lag(url: str) -> tuple[dict[float, float], float | None]:
@@ -347,7 +410,24 @@ async def measure(args, targets: list, sim: Child) -> list[dict]:
             res[name]["rss"] = child and child.rss_mb()
         runs.append(figures({t[0]: res[t[0]] for t in targets}))
         print_table(f"run {r + 1} of {args.repeat} (order: {', '.join(t[0] for t in order)})", runs[-1:], args)
+        if args.workers > 1:
+            print_workers(res["ramjet"], args)
     return runs
+
+
+def print_workers(res: dict, args) -> None:
+    """Per-worker load of the balancer in each phase: requests per worker and CPU per process."""
+    print(f"\nper-worker load (RJ_WORKERS={args.workers}; requests told apart by request id prefix, CPU by process;"
+          " the largest first):\n")
+    for key, label in (("one", "1 client"), ("many", f"{args.clients} clients"),
+                       ("stream", f"{STREAM_CLIENTS} streaming clients")):
+        r = res[key]
+        n = sum(r["by_worker"].values())
+        workers = sorted((t for pid, t in r["cpu_by_pid"].items() if pid != r["root"]), reverse=True)
+        requests = sorted(r["by_worker"].values(), reverse=True) + [0] * (args.workers - len(r["by_worker"]))
+        print(f"- {label}: requests {' / '.join(f'{x:,}' for x in requests)}; CPU per worker "
+              f"{' / '.join(f'{t:.2f}' for t in workers)} s, supervisor {r['cpu_by_pid'].get(r['root'], 0):.2f} s; "
+              f"CPU per request, all processes: {1e3 * r['cpu'] / n if n else float('nan'):.2f} ms", flush=True)
 
 
 def header(args, env: dict[str, str], workdir: Path) -> None:
@@ -364,7 +444,10 @@ def header(args, env: dict[str, str], workdir: Path) -> None:
           f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
           f"- per phase: {args.requests} requests (1 and {args.clients} clients), {args.streams} streams "
           f"x {STREAM_TOKENS} tokens over {STREAM_CLIENTS} clients, cap {args.max_seconds:.0f} s; "
-          f"{args.warmup} warm-up requests; {args.repeat} run(s), targets interleaved", flush=True)
+          f"{args.warmup} warm-up requests; {args.repeat} run(s), targets interleaved\n"
+          f"- balancer: RJ_WORKERS={args.workers}, "
+          f"{'precise (RJ_KV_EVENTS=zmq)' if args.precise or args.workers > 1 else 'approximate'} routing",
+          flush=True)
 
 
 def main() -> int:
@@ -377,6 +460,8 @@ def main() -> int:
     ap.add_argument("--max-seconds", type=float, default=60.0, help="wall-clock cap per phase")
     ap.add_argument("--skip-router", action="store_true", help="no sglang-router (not installed here)")
     ap.add_argument("--baseline", metavar="DIR", help="also run the balancer of the checkout at DIR (before/after)")
+    ap.add_argument("--workers", type=int, default=1, help="RJ_WORKERS for the balancer (> 1 implies --precise)")
+    ap.add_argument("--precise", action="store_true", help="KV events from the simulator, RJ_KV_EVENTS=zmq")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so `finally` stops children
     workdir = Path(tempfile.mkdtemp(prefix="proxy_overhead."))

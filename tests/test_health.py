@@ -83,11 +83,13 @@ async def test_rank_answering_500_is_fenced_at_once():
 
 
 async def test_request_failures_fence_after_three_distinct_requests_without_probes():
-    # load-only routing rotates over idle ranks, so rank 6 keeps getting some of these requests
+    # load-only routing spreads requests over idle ranks by their hash, so rank 6 gets one in eight
     async with stack(sim={"faults": {6: "error"}}, affinity="load") as s:
-        for i in range(40):  # the rotating tie-break starts one request in eight on rank 6
+        for i in range(200):
             r = await s.chat(f"q{i}")
             assert r.status_code == 200  # the 500 is retried on another rank before any byte is sent
+            if (await s.states())[6] == "fenced":
+                break
         assert (await s.states())[6] == "fenced"
         assert (await s.health())["replicas"][6]["reason"] == "request_http_5xx"
         # RJ_FENCE_AFTER_FAILURES (3) distinct requests, then never tried again
@@ -140,3 +142,47 @@ async def test_load_returns_to_zero_after_success_failure_and_cancellation():
             return all(r["in_flight"] == 0 and r["load_units"] == 0 for r in (await s.health())["replicas"])
         await until(idle, "every reservation returned")
         assert await s.metric("ramjet_failovers_total", reason="http_5xx") >= 1  # a 500 returned its load too
+
+
+async def test_liveness_stays_200_when_every_replica_is_fenced_and_when_draining():
+    # Readiness says "send me requests", liveness only "the process answers": a balancer whose
+    # fleet is all fenced, or that drains, is not dead, and restarting it would cut its streams.
+    async with stack(probes=True, health_path="/no-such-health", health_interval_ms="300",
+                     api_keys="sk-one") as s:  # no probe endpoint needs a key
+        ready = await s.client.get("/readyz")
+        assert ready.status_code == 200 and ready.json() == {"status": "ok", "serving": 8, "total": 8}
+
+        async def unready():
+            return (await s.client.get("/readyz")).status_code == 503
+        await until(unready, "every replica fenced")
+        assert (await s.client.get("/readyz")).json() == {"status": "unhealthy", "serving": 0, "total": 8}
+        assert (await s.client.get("/health")).status_code == 503
+        live = await s.client.get("/livez")
+        assert live.status_code == 200 and live.json() == {"live": True, "draining": False}
+
+        s.balancer.draining = True  # what `ramjet serve` does on SIGTERM
+        ready = await s.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        health = await s.client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert [r["state"] for r in health.json()["replicas"]] == ["fenced"] * 8  # the report is still whole
+        live = await s.client.get("/livez")
+        assert live.status_code == 200 and live.json() == {"live": True, "draining": True}
+        # still served while draining (fail open), and told to reconnect: its next connection goes elsewhere
+        r = await s.client.post("/v1/chat/completions", json=chat_body("draining"),
+                                headers={"authorization": "Bearer sk-one"})
+        assert r.status_code == 200 and r.headers["connection"] == "close"
+
+
+async def test_draining_turns_a_healthy_balancer_unready_without_touching_its_replicas():
+    async with stack() as s:
+        r = await s.chat("before")
+        assert r.status_code == 200 and "connection" not in r.headers
+        s.balancer.draining = True
+        ready = await s.client.get("/readyz")
+        assert ready.status_code == 503 and ready.json() == {"status": "draining", "serving": 8, "total": 8}
+        assert (await s.health())["serving"] == 8
+        assert (await s.chat("during")).status_code == 200
+        # as /health always was: any method, and no request id
+        assert [(await s.client.post(path)).status_code for path in ("/livez", "/readyz", "/health")] == [200, 503, 503]
+        assert "x-ramjet-request-id" not in (await s.client.get("/readyz")).headers

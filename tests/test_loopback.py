@@ -141,10 +141,10 @@ def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(start_sim, 
     a_url, a = start_sim("--time-scale", "1")
     b_url, _ = start_sim(*FAST)
     url, _ = start_balancer(upstream=f"{a_url},{b_url}", upstream_dp_size="8", health_interval_ms="60000")
-    body = chat_body("x", max_tokens=2000, min_tokens=2000, stream=True)
     received = b""
     with httpx.Client(timeout=10) as client:
-        for attempt in range(20):  # until the scorer's rotation lands one on engine A
+        for attempt in range(20):  # until a tie-break lands one on engine A: each attempt a new prefix
+            body = chat_body("x", model=f"m{attempt}", max_tokens=2000, min_tokens=2000, stream=True)
             with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 if int(r.headers["x-ramjet-upstream"]) >= 8:
                     continue

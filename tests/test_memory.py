@@ -1,18 +1,32 @@
 """The balancer's memory across restarts (ramjet.balancer.memory): what is saved comes back, to the same replicas.
 
 End to end (a restarted balancer keeps sessions on their ranks, vouched for by the engine's
-stream) is in tests/test_precise.py; these check the file itself.
+stream) is in tests/test_precise.py; these check the file itself, and that a replica's saved
+approximate index comes back only to the engine process it was saved from.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
+from pathlib import Path
 
+import httpx
+import uvicorn
+
+from harness import BalancerTransport, chat_body, metric_sum, until
+from ramjet.balancer.build import build_balancer
 from ramjet.balancer.memory import Memory
-from ramjet.balancer.topology import Replica
+from ramjet.balancer.topology import Replica, build_replicas
+from ramjet.config import load_settings
+from ramjet.demo.procs import free_port
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 from ramjet.routing.token_index import TokenIndex
+from ramjet.sim.config import SimConfig
+from ramjet.sim.server import build_app
 from test_token_index import BS, store, tokens
 
 
@@ -89,3 +103,92 @@ def test_an_engines_own_view_round_trips_with_hashes_wider_than_64_bits(tmp_path
     assert view.index.held(ids) == index.held(ids) and view.index.resident_tokens(1) == index.resident_tokens(1)
     assert view.index.stored(1, [wide(6)], wide(5), ids[24:28], BS)  # later events still chain onto it
     assert view.index.held(ids)[1].gpu_tokens == 28
+
+
+# --- an engine restarted while the balancer was down (in process, loopback) -----------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_on(port: int):
+    """A simulated engine (2 ranks) on a fixed loopback port, so a restart keeps its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    server = uvicorn.Server(uvicorn.Config(build_app(SimConfig(dp_size=2, time_scale=1000.0)), lifespan="on",
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        await until(lambda: server.started or task.done(), "the engine started")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.gather(task, return_exceptions=True)
+        sock.close()
+
+
+@contextlib.asynccontextmanager
+async def balancer(urls: list[str], state: Path):
+    settings = load_settings({"RJ_UPSTREAM": ",".join(urls), "RJ_UPSTREAM_DP_SIZE": "2", "RJ_ADMIN_ADDR": "off",
+                              "RJ_STATE_FILE": str(state), "RJ_ENGINE_LOAD": "off"})
+    b = build_balancer(settings, await build_replicas(settings), probes=False)
+    await b.start()
+    try:
+        async with httpx.AsyncClient(transport=BalancerTransport(b), base_url="http://ramjet", timeout=30) as client:
+            yield b, client
+    finally:
+        await b.stop()
+
+
+async def sessions(client: httpx.AsyncClient) -> None:
+    """Sixteen sessions of a few blocks each, at once, so load spreads them over all four replicas."""
+    texts = [f"session {k} " + "filler words for a prompt of several blocks " * 120 for k in range(16)]
+    answers = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat_body(t)) for t in texts))
+    assert all(a.status_code == 200 for a in answers)
+
+
+def held(b) -> list[int]:
+    return b.router.index_sizes()
+
+
+async def test_a_saved_index_comes_back_only_to_the_engine_process_it_was_saved_from(tmp_path, caplog):
+    state, ports = tmp_path / "state", [free_port(), free_port()]
+    async with contextlib.AsyncExitStack() as engines:
+        a = await engines.enter_async_context(engine_on(ports[0]))
+        b_url = await engines.enter_async_context(engine_on(ports[1]))
+        async with balancer([a, b_url], state) as (b, client):
+            await sessions(client)
+            before = held(b)
+        assert all(before), before  # saved on stop, with who each engine was
+        saved = state.read_bytes()
+
+        async with balancer([a, b_url], state) as (b, _):  # nothing changed: everything comes back
+            assert held(b) == before
+            assert metric_sum(b.metrics.render().decode(), "ramjet_state_restores_total", result="restored") == 4
+
+        state.write_bytes(saved)
+        await engines.aclose()  # both engines stop; only the second comes back
+    async with engine_on(ports[1]) as b_url:  # a new launch on the same URL: its caches are empty
+        caplog.set_level(logging.WARNING, logger="ramjet.memory")
+        async with balancer([f"http://127.0.0.1:{ports[0]}", b_url], state) as (b, _):
+            text = b.metrics.render().decode()
+            assert held(b) == [0, 0, 0, 0]
+            assert metric_sum(text, "ramjet_state_restores_total", result="unconfirmed") == 2  # engine A is down
+            assert metric_sum(text, "ramjet_state_restores_total", result="engine_restarted") == 2
+        assert "its engine restarted since the state was saved" in caplog.text
+        assert "cannot confirm its engine" in caplog.text
+
+
+async def test_only_the_restarted_engine_loses_its_replicas_saved_index(tmp_path):
+    state, ports = tmp_path / "state", [free_port(), free_port()]
+    async with engine_on(ports[1]) as steady:
+        async with engine_on(ports[0]) as restarted:
+            async with balancer([restarted, steady], state) as (b, client):
+                await sessions(client)
+                before = held(b)
+            assert all(before), before
+        async with engine_on(ports[0]) as restarted:  # restarted while the balancer was down
+            async with balancer([restarted, steady], state) as (b, _):
+                assert held(b) == [0, 0, *before[2:]]
+                text = b.metrics.render().decode()
+                assert metric_sum(text, "ramjet_state_restores_total", result="engine_restarted") == 2
+                assert metric_sum(text, "ramjet_state_restores_total", result="restored") == 2

@@ -85,7 +85,7 @@ async def test_after_the_engine_evicts_a_session_precise_mode_stops_crediting_it
         precise = s.balancer.precise
         assert (await precise.match("chat", session)).held[home].gpu_tokens > 1000
         approximate_before = s.balancer.router.index.overlaps(
-            s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8, advance=False).fingerprint.blocks)[home]
+            s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8).fingerprint.blocks)[home]
         for k in range(6):  # straight to the engine, pinned to the session's rank: fills its 16K-token pool
             await s.engine_clients[0].post("/v1/chat/completions", json={
                 "model": "glm-5.3", "messages": [{"role": "user", "content": f"flood {k} " * 1500}],
@@ -94,7 +94,7 @@ async def test_after_the_engine_evicts_a_session_precise_mode_stops_crediting_it
         async def evicted():
             return (await precise.match("chat", session)).held[home].gpu_tokens == 0
         await until(evicted, "the engine's removals reached the index")
-        decision = s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8, advance=False)
+        decision = s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8)
         assert decision.overlaps[home] == approximate_before > 0  # the approximate index still believes it
 
 
@@ -199,6 +199,15 @@ async def test_a_restarted_balancer_keeps_every_session_on_its_rank(tmp_path, mo
             assert history > 2  # every serving rank's history is longer than its replay buffer
             assert await s.metric("ramjet_kv_stream_states_total", kind="partial") == 0  # resumed, vouched for
             assert await all_precise(s)
+
+
+async def test_a_restarted_balancer_rebuilds_its_view_from_the_replay_alone_when_the_buffer_holds_the_run():
+    async with precise_stack(events={"buffer_steps": 10_000}, sim={"kv_tokens_per_rank": 400_000}) as s:
+        await until(lambda: all_precise(s), "every replica synced")
+        stickiness, _ = await sessions_across_a_balancer_restart(s, seed=11)
+        print(f"stickiness across the restart, precise mode from the replay alone: {stickiness:.0%}")
+        assert stickiness >= 0.95
+        assert await s.metric("ramjet_kv_stream_states_total", kind="partial") == 0 and await all_precise(s)
 
 
 async def test_without_a_saved_state_a_short_replay_cannot_rebuild_the_view():

@@ -7,7 +7,8 @@ from ramjet.routing.demand import Demand
 from ramjet.routing.fingerprint import fingerprint
 from ramjet.routing.index import PrefixIndex
 from ramjet.routing.policies import BASES, POLICY_NAMES, NewSessions, make_policy
-from ramjet.routing.policy import Candidates, Params, rank
+from ramjet.routing.policy import Candidates, Params, rank, rendezvous
+from ramjet.routing.router import Router
 from ramjet.routing.units import load_units
 
 CHUNK = 256
@@ -17,11 +18,11 @@ def credits(overlaps, serving, name, cap):
     return make_policy(name, Params(cap_blocks=cap)).credits(Candidates(overlaps, [0] * len(overlaps), serving))
 
 
-def ranked(overlaps, loads, serving, name="relative", rotation=0, prompt_blocks=0.0, shares=None, **params):
+def ranked(overlaps, loads, serving, name="relative", key=0, prompt_blocks=0.0, shares=None, **params):
     """Rank under policy `name` ("new_sessions" for new-session placement) with Params(**params)."""
     p = Params(**params)
     policy = NewSessions(p) if name == "new_sessions" else make_policy(name, p)
-    return rank(policy, Candidates(overlaps, loads, serving, prompt_blocks, shares), rotation)
+    return rank(policy, Candidates(overlaps, loads, serving, prompt_blocks, shares), rendezvous(key, len(overlaps)))
 
 
 def chat(messages, **extra):
@@ -187,11 +188,12 @@ def test_load_outweighs_affinity_when_the_warm_replica_is_overloaded():
     assert r.order[0] == 1 and r.reason == "load"
 
 
-def test_serving_first_and_rotating_tiebreak():
+def test_serving_first_and_a_tiebreak_drawn_from_the_request():
     r = ranked([5, 0, 0], [0, 0, 0], [False, True, True])
     assert r.order[0] in (1, 2) and r.order[-1] == 0
-    firsts = {ranked([0, 0, 0], [0, 0, 0], [True] * 3, rotation=k).order[0] for k in range(3)}
-    assert firsts == {0, 1, 2}
+    firsts = [ranked([0, 0, 0], [0, 0, 0], [True] * 3, key=k).order[0] for k in range(3000)]
+    assert all(900 < firsts.count(i) < 1100 for i in range(3))  # different requests spread evenly
+    assert firsts == [ranked([0, 0, 0], [0, 0, 0], [True] * 3, key=k).order[0] for k in range(3000)]
     assert ranked([0, 0], [0, 0], [False, False]).reason == "fail_open"
     assert ranked([3, 0], [0, 0], [True, False]).reason == "only_choice"
 
@@ -225,3 +227,14 @@ def test_the_registry_names_every_policy_once_with_relative_first():
     assert POLICY_NAMES == (*BASES, "load")
     with pytest.raises(ValueError, match="relative"):
         make_policy("closest", Params())
+
+
+def test_two_routers_with_the_same_view_decide_alike_whatever_each_decided_before():
+    # Balancers behind one address (issue 14): what one decided earlier must not shift the other's ties.
+    routers = [Router("relative", Params(chunk_bytes=CHUNK), [1000] * 8, 1 << 20) for _ in range(2)]
+    for k in range(5):  # only the first one routes these
+        routers[0].decide("chat", chat([{"role": "user", "content": f"other {k}"}]), [0.0] * 8, [True] * 8)
+    for k in range(20):
+        body = chat([{"role": "user", "content": f"new session {k}"}])
+        orders = [r.decide("chat", body, [0.0] * 8, [True] * 8).ranking.order for r in routers]
+        assert orders[0] == orders[1]

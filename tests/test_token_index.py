@@ -5,8 +5,11 @@ from __future__ import annotations
 import random
 from array import array
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ramjet.balancer.precise import AGREE_WINDOW, Trust
-from ramjet.routing.token_index import TokenIndex, chain, chain_seed
+from ramjet.routing.token_index import Held, TokenIndex, chain, chain_seed
 
 BS = 4
 
@@ -142,3 +145,53 @@ def test_blocks_computed_but_not_yet_reported_count_as_held_until_they_expire():
     assert index.held(ids)[0].gpu_tokens == 24
     index.sweep(11.0)                                     # never reported: not held after all
     assert index.held(ids)[0].gpu_tokens == 12
+
+
+def reference_walk(index: TokenIndex, hashes: list[int], alive: int) -> list[tuple[int, int, int]]:
+    """The walk block by block, as first written: (GPU, host, reach) blocks per replica."""
+    out = {}
+    reach, depth = alive, len(hashes)
+    gpu_runs, reach_runs, host_blocks = {}, {}, {}
+    for d, h in enumerate(hashes):
+        on_gpu = index._gpu.get(h, 0) | index._pending.get(h, 0)
+        on_host = index._host.get(h, 0)
+        gpu, host = on_gpu & alive, on_host & alive & ~(on_gpu & alive)
+        still = gpu | host
+        reaching = (on_gpu | on_host | index._inflight.get(h, 0)) & reach
+        for r in range(8):
+            if alive >> r & 1 and not still >> r & 1:
+                gpu_runs[r] = d
+            if reach >> r & 1 and not reaching >> r & 1:
+                reach_runs[r] = d
+            if host >> r & 1:
+                host_blocks[r] = host_blocks.get(r, 0) + 1
+        alive, reach = still, reaching
+        if not reach:
+            depth = d
+            break
+    for r in range(8):
+        if alive >> r & 1:
+            gpu_runs[r] = depth
+        if reach >> r & 1:
+            reach_runs[r] = depth
+        run = gpu_runs.get(r, 0)
+        out[r] = (run - host_blocks.get(r, 0), host_blocks.get(r, 0), reach_runs.get(r, 0))
+    return [out[r] for r in range(8)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 150), st.lists(st.tuples(st.integers(0, 150), st.integers(0, 3), st.integers(0, 15)),
+                                     max_size=8, min_size=8), st.integers(0, 255), st.randoms())
+def test_the_walk_skips_runs_and_finds_what_the_block_by_block_walk_finds(length, replicas, alive, rng):
+    hashes = list(range(1, length + 1))
+    index = TokenIndex(8)
+    for r, (run, table, holes) in enumerate(replicas):  # a run of blocks, in one table, with a few holes
+        where = [index._gpu, index._host, index._pending, index._inflight][table]
+        for h in hashes[:run]:
+            if rng.randrange(150) >= holes:
+                where[h] = where.get(h, 0) | 1 << r
+            if rng.random() < 0.05:  # some blocks on a second tier too
+                index._host[h] = index._host.get(h, 0) | 1 << r
+    out = [Held() for _ in range(8)]
+    index._walk(hashes, 1, alive, out)
+    assert [(h.gpu_tokens, h.host_tokens, h.reach_tokens) for h in out] == reference_walk(index, hashes, alive)

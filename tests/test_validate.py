@@ -17,6 +17,7 @@ import pytest
 
 from ramjet.cli import main
 from ramjet.ops.compose import ComposeError, interpolate, load_bundle, read_env_file
+from ramjet.ops.rules_lifecycle import compose_duration
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "deploy" / "glm53_h200"
@@ -24,7 +25,7 @@ COMPOSE = BUNDLE / "docker-compose.yaml"
 MODEL_DIR = ROOT / "tests" / "fixtures" / "glm53"
 BUNDLE_VARS = sorted(set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", COMPOSE.read_text())))
 PRECISE_RULES = ("precise-mode", "tokenizer-mount", "kv-events-config", "kv-events-ports", "kv-events-unpublished",
-                 "kv-endpoints")
+                 "kv-endpoints", "engine-load")
 
 
 @pytest.fixture(autouse=True)
@@ -68,10 +69,10 @@ def test_shipped_bundle_passes(capsys):
                  "rank-probe", "affinity", "health", "metrics", "tokenizer-workers", "upstream-token",
                  "loopback-ports", "model-readonly", "pinned-images", "balancer-config", "upstream-url",
                  "parallel-sizes", "expert-parallel", "eagle", "hicache", "engine-keys", "sglang-version",
-                 *PRECISE_RULES):
+                 "stop-grace", *PRECISE_RULES):
         assert f"OK {rule}:" in out
     assert "SKIP hicache-ram:" in out
-    assert "OK: 29 rules pass" in out
+    assert "OK: 31 rules pass" in out
 
 
 def test_shipped_bundle_passes_as_a_subprocess():
@@ -79,7 +80,7 @@ def test_shipped_bundle_passes_as_a_subprocess():
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env=env, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "OK: 29 rules pass" in p.stdout
+    assert "OK: 31 rules pass" in p.stdout
     p = subprocess.run([sys.executable, "-m", "ramjet", "validate", str(BUNDLE)], capture_output=True, text=True,
                        env={**env, "GLM_MEM_FRACTION": "0.88"}, cwd=ROOT, timeout=60)
     assert p.returncode == 1
@@ -139,8 +140,6 @@ EDITS = [
     ("kv-events-config", ',"replay_endpoint":"tcp://*:5657"', "", "--kv-events-config has no replay_endpoint"),
     ("kv-events-config", '"buffer_steps":10000}', '"buffer_steps":10000', "--kv-events-config is not valid JSON"),
     ("kv-events-config", '"buffer_steps"', '"buffer-steps"', "unknown key(s) buffer-steps: SGLang ignores them"),
-    ("kv-events-config", "      --kv-events-config, '", "      --kv-events-confg, '",
-     "the balancer routes on KV events (RJ_KV_EVENTS=zmq) but the engine has no --kv-events-config"),
     ("kv-events-ports", '"endpoint":"tcp://*:5557"', '"endpoint":"tcp://*:5650"',
      "endpoint ports 5650..5657 (the port + rank for --dp-size 8) overlap replay_endpoint ports 5657..5664"),
     ("kv-events-ports", "--tool-call-parser, glm47,\n", '--tool-call-parser, glm47,\n      --nccl-port, "5664",\n',
@@ -164,6 +163,29 @@ EDITS = [
     ("kv-endpoints", "RJ_KV_EVENTS: zmq\n", 'RJ_KV_EVENTS: zmq\n      RJ_KV_EVENTS_ENDPOINT: "tcp://engine:5657"\n',
      ("RJ_KV_EVENTS_ENDPOINT 'tcp://engine:5657' has port 5657, but the engine's --kv-events-config endpoint is "
       "on 5557")),
+    # the engine pushes each rank's load (issue 14): every balancer sees what reached a rank another way
+    ("engine-load", '      --load-publish-endpoint, "tcp://*:5757",\n', "",
+     "the engine does not publish its per-rank load (no --load-publish-endpoint)"),
+    ("engine-load", '--load-publish-endpoint, "tcp://*:5757"', '--load-publish-endpoint, "off"',
+     "the engine does not publish its per-rank load"),
+    ("engine-load", '--load-publish-endpoint, "tcp://*:5757"', '--load-publish-endpoint, "tcp://engine:5757"',
+     "'tcp://engine:5757' is neither auto nor a bindable tcp://*:PORT: SGLang refuses it at start-up"),
+    ("engine-load", "RJ_ENGINE_LOAD: auto", 'RJ_ENGINE_LOAD: "off"',
+     "service ramjet: RJ_ENGINE_LOAD=off, so the balancer ignores the load the engine publishes"),
+    ("engine-load", ':30000"\n    #', ':30000"\n      - "127.0.0.1:5760:5760"\n    #',
+     "service engine publishes its load ports to the host in ports: (127.0.0.1:5760->5760)"),
+    ("kv-events-ports", '--load-publish-endpoint, "tcp://*:5757"', '--load-publish-endpoint, "tcp://*:5660"',
+     "replay_endpoint ports 5657..5664 (the port + rank for --dp-size 8) overlap --load-publish-endpoint ports "
+     "5660..5667"),
+    # stopping: Docker must wait for the balancer's drain and grace before it kills it
+    ("stop-grace", "    stop_grace_period: 75s\n", "",
+     "stop_grace_period unset (Compose's default, 10s) is shorter than RJ_SHUTDOWN_DRAIN_MS 5000 + "
+     "RJ_SHUTDOWN_GRACE_MS 60000 + 10 s to cancel the rest and save the state file (at least 75s)"),
+    ("stop-grace", 'RJ_SHUTDOWN_GRACE_MS: "60000"', 'RJ_SHUTDOWN_GRACE_MS: "120000"',
+     "(at least 135s): Docker would SIGKILL the balancer 75 s after SIGTERM"),
+    ("stop-grace", "stop_grace_period: 75s", "stop_grace_period: 1m10s",
+     "stop_grace_period 1m10s is shorter than RJ_SHUTDOWN_DRAIN_MS 5000 + RJ_SHUTDOWN_GRACE_MS 60000"),
+    ("stop-grace", "stop_grace_period: 75s", "stop_grace_period: 75 seconds", "is not a Compose duration"),
 ]
 
 
@@ -364,19 +386,25 @@ def test_precise_mode_without_a_tokenizer_fails(bundle, capsys):
 
 def test_approximate_bundle_skips_the_precise_rules(bundle, capsys):
     edit(bundle, "      --kv-events-config, '", "      # --kv-events-config, '")
+    edit(bundle, "      --load-publish-endpoint, ", "      # --load-publish-endpoint, ")
     edit(bundle, "RJ_KV_EVENTS: zmq", 'RJ_KV_EVENTS: "off"')
     rc, out, _ = validate(bundle, capsys=capsys)
     assert rc == 0, out
     for rule in ("precise-mode", "kv-events-config", "kv-events-ports", "kv-events-unpublished", "kv-endpoints"):
         assert f"SKIP {rule}: approximate mode: the engine publishes no KV events" in out
     assert "OK tokenizer-mount:" in out  # RJ_TOKENIZER is still set, and still the served model's
-    assert "OK: 24 rules pass" in out
+    assert "SKIP engine-load: approximate mode: SGLang publishes its load only beside a KV event publisher" in out
+    assert "OK: 25 rules pass" in out
 
 
-def test_balancer_routing_on_events_the_engine_does_not_publish_fails(bundle, capsys):
-    edit(bundle, "      --kv-events-config, '", "      # --kv-events-config, '")
+@pytest.mark.parametrize("removed", ["      # --kv-events-config, '", "      --kv-events-confg, '"])
+def test_balancer_routing_on_events_the_engine_does_not_publish_fails(bundle, capsys, removed):
+    edit(bundle, "      --kv-events-config, '", removed)
     rc, out, _ = validate(bundle, capsys=capsys)
-    assert rc == 1 and failed_rules(out) == {"kv-events-config"}, out
+    # and SGLang itself would refuse the load publisher without an event publisher to advertise it through
+    assert rc == 1 and failed_rules(out) == {"kv-events-config", "engine-load"}, out
+    assert "--load-publish-endpoint without --kv-events-config: SGLang refuses to start" in out
+    assert "the balancer routes on KV events (RJ_KV_EVENTS=zmq) but the engine has no --kv-events-config" in out
     for rule in ("kv-events-ports", "kv-events-unpublished", "kv-endpoints"):
         assert f"SKIP {rule}: no usable --kv-events-config (see kv-events-config)" in out
 
@@ -518,3 +546,48 @@ def test_port_ranges_mounts_and_host_paths(tmp_path):
     assert bundle.host_path(svc, "/models/GLM") == "/abs/GLM"
     assert bundle.host_path(svc, "/data/x") == "volume:named/x"
     assert bundle.host_path(svc, "/anon/x") is None  # an anonymous volume is no shared directory
+
+
+# --- the balancer's shutdown and the engine's load publisher (issue 14) ---------------------
+
+@pytest.mark.parametrize("text,seconds", [("75s", 75), ("1m15s", 75), ("1.5m", 90), ("500ms", 0.5), ("1h", 3600),
+                                          ("75", None), ("", None), ("1m 5s", None), ("5 s", None)])
+def test_compose_durations(text, seconds):
+    assert compose_duration(text) == seconds
+
+
+def test_stop_grace_follows_the_balancer_settings_and_their_defaults(bundle, capsys):
+    # without the variables the balancer's own defaults apply (5 s + 60 s), which 75s still covers
+    edit(bundle, '      RJ_SHUTDOWN_DRAIN_MS: "5000"\n      RJ_SHUTDOWN_GRACE_MS: "60000"\n', "")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0 and "OK stop-grace: service ramjet: stop_grace_period 75s covers the drain (5000 ms)" in out
+    # a shorter grace needs a shorter wait only
+    edit(bundle, "stop_grace_period: 75s", "stop_grace_period: 35s")
+    edit(bundle, "RJ_STATE_FILE: /var/lib/ramjet/state\n",
+         'RJ_STATE_FILE: /var/lib/ramjet/state\n      RJ_SHUTDOWN_GRACE_MS: "20000"\n')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0 and "with 10 s left to cancel the rest" in out, out
+
+
+def test_auto_load_publisher_packs_after_the_event_range(bundle, capsys):
+    edit(bundle, '--load-publish-endpoint, "tcp://*:5757"', "--load-publish-endpoint, auto")
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0 and "rank r publishes its load on 5565 + r (5565..5572)" in out, out
+    # a replay range right after the events pushes it past the replay range, as SGLang does
+    edit(bundle, '"replay_endpoint":"tcp://*:5657"', '"replay_endpoint":"tcp://*:5565"')
+    edit(bundle, '"tcp://{host}:5657"', '"tcp://{host}:5565"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 0 and "(5573..5580)" in out, out
+
+
+def test_unreadable_shutdown_settings_fail_balancer_config_only(bundle, capsys):
+    edit(bundle, 'RJ_SHUTDOWN_GRACE_MS: "60000"', 'RJ_SHUTDOWN_GRACE_MS: "a minute"')
+    rc, out, _ = validate(bundle, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"balancer-config"}, out
+    assert "SKIP stop-grace: RJ_SHUTDOWN_DRAIN_MS or RJ_SHUTDOWN_GRACE_MS is not a number" in out
+
+
+def test_the_balancer_health_check_asks_readiness():
+    """Docker restarts on exit, never on health: the check says whether Ramjet takes requests (README.md)."""
+    check = load_bundle(BUNDLE, {}).services["ramjet"].raw["healthcheck"]["test"]
+    assert "http://127.0.0.1:8000/readyz" in " ".join(check)

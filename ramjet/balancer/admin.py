@@ -3,7 +3,8 @@
 A FastAPI app, separate from the client-facing listener: it is off the hot
 path, and its OpenAPI page (/docs) documents it. Drain takes a replica out of
 rotation for maintenance; explain shows how a request would be routed now,
-without forwarding it or moving the tie-break rotation.
+without forwarding it. With several worker processes (RJ_WORKERS) worker 0 serves
+it, and a drain is answered once every worker applied it (shared.SharedDrains).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ramjet.balancer.app import GENERATION_ROUTES
 from ramjet.balancer.build import Balancer
 from ramjet.balancer.forward import parse_object
+from ramjet.balancer.shared import SharedDrains
 from ramjet.errors import ApiError
 from ramjet.routing import policies
 
 
-def build_admin_app(balancer: Balancer) -> FastAPI:
+def build_admin_app(balancer: Balancer, drains: SharedDrains | None = None) -> FastAPI:
     keys = [k.encode() for k in balancer.settings.admin_keys]
     bearer = HTTPBearer(auto_error=False)
 
@@ -58,15 +60,19 @@ def build_admin_app(balancer: Balancer) -> FastAPI:
         forwarder.sync_caches()
         return {"policy": router.policy.name, "replicas": [describe(i) for i in range(len(balancer.replicas))]}
 
+    async def drained(ordinal: int, flag: bool) -> dict:
+        fleet.drain(replica(ordinal), flag)
+        if drains is None:
+            return describe(ordinal)
+        return {**describe(ordinal), "workers": await drains.publish()}  # {"applied": n, "of": RJ_WORKERS}
+
     @app.post("/admin/replicas/{ordinal}/drain", summary="Send no new requests to this replica")
-    def drain(ordinal: int) -> dict:
-        fleet.drain(replica(ordinal), True)
-        return describe(ordinal)
+    async def drain(ordinal: int) -> dict:
+        return await drained(ordinal, True)
 
     @app.post("/admin/replicas/{ordinal}/undrain", summary="Return a drained replica to rotation")
-    def undrain(ordinal: int) -> dict:
-        fleet.drain(replica(ordinal), False)
-        return describe(ordinal)
+    async def undrain(ordinal: int) -> dict:
+        return await drained(ordinal, False)
 
     @app.post("/admin/explain", summary="How a request body would be routed now (nothing is forwarded)")
     async def explain(request: Request, path: str = "/v1/chat/completions") -> JSONResponse:
@@ -77,7 +83,7 @@ def build_admin_app(balancer: Balancer) -> FastAPI:
             body = parse_object(await request.body(), balancer.settings.max_json_depth)
             forwarder.sync_caches()
             loads, routable = fleet.loads(), fleet.routable()
-            d = router.decide(route, body, loads, routable, advance=False)
+            d = router.decide(route, body, loads, routable)
         except ApiError as e:
             return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.type}})
         ranking = d.ranking

@@ -4,7 +4,9 @@ Written against bare ASGI rather than a framework so the hot path reads the
 body once and stops the moment the client goes away while it waits for an
 upstream (a disconnected agent must free its rank at once: the protocol
 cancels the request's task); a framework route would also cost a sixth of the
-whole request (docs/benchmarks.md). The
+whole request (docs/benchmarks.md). Probes are answered before anything else:
+/livez (the process answers), /readyz (it should be sent requests: not
+draining, some replica serving) and /health (the full report). The
 operator API, where a framework serves better, is a separate app (admin.py).
 Limits on the connection itself (headers, timeouts, connections) are enforced
 below the app, in protocol.py.
@@ -41,6 +43,7 @@ GENERATION_ROUTES = {
 _ODD_PATH = re.compile(r"[\x00-\x1f\x7f\\?#]|//|(^|/)\.\.?(/|$)")
 _ODD_RAW = re.compile(rb"%(2[eEfF]|5[cC]|00)")
 _RETRY_AFTER = [(b"retry-after", b"1")]
+PROBES = frozenset({"/health", "/readyz", "/livez"})  # never need a key; also on the metrics listener
 
 
 def route_matcher(templates: list[str]) -> re.Pattern:
@@ -84,9 +87,10 @@ class BalancerApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if path == "/health":
-            code, report = self.balancer.health()
-            await send_json(send, code, orjson.dumps(report))
+        if self.balancer.draining:  # every answer ends its connection: the client's next one goes elsewhere
+            send = _closing(send)
+        if path in PROBES:
+            await self.probe(path, send)
             return
         if path == "/metrics":
             await send({"type": "http.response.start", "status": 200,
@@ -137,6 +141,18 @@ class BalancerApp:
                 await self._guarded(lambda out: work(raw, out), send, request_id)
         finally:
             self._release(holder)
+
+    async def probe(self, path: str, send) -> None:
+        """/health (the full report), /readyz (its verdict: 503 when draining or no replica serves), /livez.
+
+        /livez is 200 whenever the process answers: a balancer that drains, or whose every
+        replica is fenced, is not dead, and restarting it would cut its streams and empty its index.
+        """
+        if path == "/livez":
+            code, body = 200, {"live": True, "draining": self.balancer.draining}
+        else:
+            code, body = (self.balancer.health if path == "/health" else self.balancer.readiness)()
+        await send_json(send, code, orjson.dumps(body))
 
     def _key(self, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """The client's key if it is one of RJ_API_KEYS (b"" when no keys are configured), else None."""
@@ -190,7 +206,8 @@ class BalancerApp:
     async def _guarded(self, work, send, request_id: str) -> None:
         """Run `work(send)`: anything unexpected is one log line with the request id and a 500 (if nothing
         was sent yet); a response cut short on purpose (ResponseAborted) is re-raised so the server drops
-        the connection. A client that disconnects cancels this task (protocol.py): that ends here quietly.
+        the connection. A client that disconnects cancels this task (protocol.py): that ends here quietly;
+        so does the end of the shutdown's grace period (serve.py), with a 503 if nothing was sent yet.
         """
         started = False
 
@@ -205,14 +222,27 @@ class BalancerApp:
         except ResponseAborted as e:
             log.warning("request %s: %s; closing the client connection without an ending", request_id, e)
             raise
-        except asyncio.CancelledError:
-            return  # the client left; its upstream request and reservation were released on the way out
+        except asyncio.CancelledError:  # upstream request and reservation were released on the way out
+            if not started and self.balancer.draining:  # not the client leaving: the shutdown's grace ran out
+                await send_json(send, 503, error_body("the balancer is shutting down; retry", "server_error",
+                                                      code="shutting_down"),
+                                [(b"x-ramjet-request-id", request_id.encode()), *_RETRY_AFTER])
+            return
         except Exception as e:
             log.error("request %s: internal error: %s: %s", request_id, type(e).__name__, e,
                       exc_info=log.isEnabledFor(logging.DEBUG))
             if not started:
                 await send_json(send, 500, error_body(f"internal error in the balancer (request {request_id})",
                                                       "server_error"), [(b"x-ramjet-request-id", request_id.encode())])
+
+
+def _closing(send):
+    """`send` with `Connection: close` on the response: the server ends the connection after it."""
+    async def closing_send(message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+    return closing_send
 
 
 def _client(scope) -> str:

@@ -11,16 +11,18 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from ramjet.balancer.engine_load import EngineLoad, EngineReader
 from ramjet.balancer.fleet import Fleet
 from ramjet.balancer.forward import Forwarder, ForwardSettings
 from ramjet.balancer.journal import Journal
+from ramjet.balancer.matcher import Matcher, load_tokenizer
 from ramjet.balancer.memory import Memory
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.outcome import Recorder
-from ramjet.balancer.precise import Matcher, PreciseMode, PreciseSettings, load_tokenizer
+from ramjet.balancer.precise import PreciseMode, PreciseSettings
 from ramjet.balancer.prober import Prober, ProbeSettings
 from ramjet.balancer.relay import PASSED_RESPONSE_HEADERS
-from ramjet.balancer.topology import Replica
+from ramjet.balancer.topology import DISCOVERY_TIMEOUT_S, Replica
 from ramjet.balancer.upstream import Upstream
 from ramjet.config import Settings
 from ramjet.routing.policy import Params
@@ -52,24 +54,28 @@ class Balancer:
     journal: Journal | None
     precise: PreciseMode | None = None
     memory: Memory | None = None
+    engine_load: EngineLoad | None = None  # RJ_ENGINE_LOAD=auto
+    draining: bool = False  # set by `ramjet serve` on SIGTERM: not ready, still serving (serve.py)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self) -> None:
         if self.memory is not None:  # before any stream is followed: the saved views say where to resume
-            self.memory.restore()
+            await self.memory.start()  # asks each engine who it is (SGLang's /server_info: at most 10 s)
             self._tasks.append(asyncio.create_task(self.memory.keep()))
         self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         if self.precise is not None:
             self._tasks.append(asyncio.create_task(self.precise.run(self.upstream)))
+        if self.engine_load is not None:
+            self._tasks.append(asyncio.create_task(self.engine_load.run()))
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.memory is not None:
-            await self.memory.save()
+            await self.memory.save(final=True)
         if self.precise is not None:
             self.precise.close()
         await self.upstream.aclose()
@@ -77,9 +83,17 @@ class Balancer:
             self.journal.close()
 
     def health(self) -> tuple[int, dict]:
-        """(HTTP status, /health report)."""
+        """(HTTP status, /health report): 503 "draining" from the first signal on, whatever the replicas."""
         self.forwarder.sync_caches()
-        return self.fleet.report(self.router.index_sizes())
+        code, report = self.fleet.report(self.router.index_sizes())
+        if self.draining:
+            return 503, {**report, "status": "draining"}
+        return code, report
+
+    def readiness(self) -> tuple[int, dict]:
+        """(HTTP status, /readyz body): /health's verdict without the replica list, for frequent checks."""
+        code, report = self.health()
+        return code, {"status": report["status"], "serving": report["serving"], "total": report["total"]}
 
 
 def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics | None = None,
@@ -112,5 +126,9 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
         prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(
             s.health_interval_s, s.health_path, s.health_timeout_s, s.upstream_rank_probe,
             s.upstream_rank_probe_path, s.rank_probe_timeout_s))
-    memory = Memory(s.state_file, s.state_interval_s, replicas, router, precise) if s.state_file else None
-    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal, precise, memory)
+    memory = Memory(s.state_file, s.state_interval_s, replicas, router, precise,
+                    EngineReader(upstream, DISCOVERY_TIMEOUT_S), metrics, s.health_timeout_s) if s.state_file else None
+    engine_load = EngineLoad(replicas, fleet, metrics, EngineReader(upstream, s.health_timeout_s),
+                             s.engine_load_interval_s) if s.engine_load == "auto" else None
+    return Balancer(s, replicas, metrics, fleet, router, upstream, forwarder, prober, journal, precise, memory,
+                    engine_load=engine_load)

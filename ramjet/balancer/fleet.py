@@ -14,16 +14,23 @@ waiting for a first byte on a replica that gets fenced are told at once.
 When an engine refuses connections its process is gone, and with it the KV
 cache of every one of its ranks: the Fleet bumps their cache epoch, and the
 router's owner forgets what those replicas held (Forwarder.sync_caches).
+
+A replica's load is what this balancer holds there now, plus what its engine
+reported beyond that at its last report (RJ_ENGINE_LOAD, ramjet.balancer.engine_load):
+requests that reached the engine some other way. The engine's figure is taken net
+of this balancer's own requests when it was asked for (engine_report.external_units).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ramjet.balancer.engine_report import RankFigure, external_units
 from ramjet.balancer.metrics import Metrics, ReplicaMetrics
 from ramjet.balancer.topology import Replica
 from ramjet.routing.units import DECODE_UNITS
@@ -41,7 +48,10 @@ class ReplicaState:
     drained: bool = False
     reason: str = ""              # why it is fenced
     in_flight: int = 0
-    load_units: float = 0.0
+    load_units: float = 0.0       # what this balancer's requests hold there
+    prefilling: int = 0           # of those, requests still before their first byte
+    probing: int = 0              # rank probes of ours in flight there (the engine counts them too)
+    external_units: float = 0.0   # the engine's reported load beyond ours, at its last report
     last_progress: float = -1e18  # monotonic time it last showed life on real work
     passes: int = 0               # consecutive passing probe rounds while fenced
     cache_epoch: int = 0          # bumped whenever its engine lost its cache
@@ -63,23 +73,26 @@ class Reservation:
     exit: success, upstream failure, client disconnect or cancellation.
     """
 
-    __slots__ = ("_fleet", "replica", "units")
+    __slots__ = ("_fleet", "replica", "units", "prefilling")
 
     def __init__(self, fleet: Fleet, replica: int, units: float):
         self._fleet = fleet
         self.replica = replica
         self.units: float | None = units
-        fleet._add(replica, units, 1)
+        self.prefilling = True
+        fleet._add(replica, units, 1, 1)
 
     def prefill_done(self) -> None:
-        if self.units is not None and self.units > DECODE_UNITS:
-            self._fleet._add(self.replica, DECODE_UNITS - self.units, 0)
-            self.units = DECODE_UNITS
+        if self.units is not None and self.prefilling:
+            self.prefilling = False
+            shrink = DECODE_UNITS - self.units if self.units > DECODE_UNITS else 0.0
+            self._fleet._add(self.replica, shrink, 0, -1)
+            self.units += shrink
 
     def close(self) -> None:
         if self.units is not None:
-            self._fleet._add(self.replica, -self.units, -1)
-            self.units = None
+            self._fleet._add(self.replica, -self.units, -1, -1 if self.prefilling else 0)
+            self.units, self.prefilling = None, False
 
     def __enter__(self) -> Reservation:
         return self
@@ -136,7 +149,8 @@ class Fleet:
         return self.states[i].routable
 
     def loads(self) -> list[float]:
-        return [s.load_units for s in self.states]
+        """Per replica: what this balancer holds there now + the engine's own figure beyond it (RJ_ENGINE_LOAD)."""
+        return [s.load_units + s.external_units for s in self.states]
 
     def cache_epochs(self) -> list[int]:
         return [s.cache_epoch for s in self.states]
@@ -144,16 +158,53 @@ class Fleet:
     def reserve(self, i: int, units: float) -> Reservation:
         return Reservation(self, i, units)
 
-    def _add(self, i: int, units: float, requests: int) -> None:
+    def _add(self, i: int, units: float, requests: int, prefilling: int) -> None:
         s = self.states[i]
         if requests > 0 and s.in_flight == 0:
             # An idle replica given work counts as alive now: its first requests may be long
             # cold prefills, and probes queued behind them must not fence it meanwhile.
             s.last_progress = time.monotonic()
         s.in_flight += requests
+        s.prefilling += prefilling
         s.load_units += units
         s.metrics.in_flight.set(s.in_flight)
         s.metrics.load_units.set(s.load_units)
+
+    # --- the engines' own load (RJ_ENGINE_LOAD) -------------------------------
+    def own(self, i: int) -> tuple[int, int]:
+        """This balancer's requests on replica i now, rank probes included: (in flight, of which before their
+        first byte)."""
+        s = self.states[i]
+        return s.in_flight + s.probing, s.prefilling + s.probing
+
+    @contextlib.contextmanager
+    def probing(self, i: int):
+        """A rank probe is in flight on replica i: the engine reports it, and it is ours."""
+        self.states[i].probing += 1
+        try:
+            yield
+        finally:
+            self.states[i].probing -= 1
+
+    def engine_reported(self, i: int, figure: RankFigure, asked: tuple[int, int] | None = None) -> None:
+        """Replica i's engine reported its load: keep the part this balancer did not send.
+
+        The figure was taken some time between `asked` (our own counts when the poll went
+        out, `own(i)`) and now; subtracting the larger of the two counts keeps requests of
+        ours that ended or began meanwhile from passing for someone else's.
+        """
+        s = self.states[i]
+        in_flight, prefilling = self.own(i)
+        if asked is not None:
+            in_flight, prefilling = max(in_flight, asked[0]), max(prefilling, asked[1])
+        s.external_units = external_units(figure, in_flight, prefilling)
+        s.metrics.engine_load_units.set(s.external_units)
+
+    def engine_load_lost(self, i: int) -> None:
+        """No usable figure from replica i's engine: route it on this balancer's own counts."""
+        s = self.states[i]
+        s.external_units = 0.0
+        s.metrics.engine_load_units.set(0.0)
 
     # --- evidence from real requests and probes ----------------------------
     def progressed(self, i: int) -> None:
@@ -286,6 +337,7 @@ class Fleet:
         replicas = [{
             "upstream": s.replica.ordinal, "node": s.replica.node, "rank": s.replica.dp_rank,
             "state": "serving" if s.serving else "fenced", "reason": s.reason or None, "drained": s.drained,
-            "in_flight": s.in_flight, "load_units": s.load_units, "index_blocks": index_sizes[i],
+            "in_flight": s.in_flight, "load_units": s.load_units, "engine_load_units": s.external_units,
+            "index_blocks": index_sizes[i],
         } for i, s in enumerate(self.states)]
         return code, {"status": status, "serving": serving, "total": len(self.states), "replicas": replicas}

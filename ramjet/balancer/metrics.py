@@ -3,11 +3,18 @@
 Labels identify replicas by opaque ordinal, node name and DP rank only: never a
 URL (it may carry credentials) and never prompt text. Per-replica children are
 resolved once (`ReplicaMetrics`), not by a label lookup on every request.
+
+With several worker processes (RJ_WORKERS) prometheus_client runs in its
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the supervisor): every worker
+writes its values to files there, and /metrics, in any worker, reads them all:
+counters and histograms summed, each gauge as its `multiprocess_mode` says
+(livesum, livemin, livemax, or liveall: one series per worker, labelled `pid`).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 disable_created_metrics()  # `*_created` series double the output and no dashboard reads them
 
@@ -19,7 +26,8 @@ class ReplicaMetrics:
     """One replica's children of every per-replica collector."""
 
     __slots__ = ("in_flight", "load_units", "up", "index_blocks", "prompt_tokens", "cached_tokens",
-                 "completion_tokens", "probe_suppressed", "unfences", "kv_precise", "_fences", "_labels")
+                 "completion_tokens", "probe_suppressed", "unfences", "kv_precise", "engine_load_units", "_fences",
+                 "_labels")
 
     def __init__(self, m: Metrics, labels: tuple[str, str, str]):
         self._labels = labels
@@ -34,6 +42,7 @@ class ReplicaMetrics:
         self.probe_suppressed = m.probe_suppressed.labels(*labels)
         self.unfences = m.unfences.labels(*labels)
         self.kv_precise = m.kv_precise.labels(*labels)
+        self.engine_load_units = m.engine_load_units.labels(*labels)
         self.up.set(1)
         self.index_blocks.set(0)
 
@@ -44,14 +53,16 @@ class ReplicaMetrics:
 class Metrics:
     """Every collector the balancer exports, in one registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: the workers' PROMETHEUS_MULTIPROC_DIR; render() then shows every worker's values."""
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("ramjet_requests", "Requests answered, by route, status code and upstream",
                                 ("route", "code", "upstream"), registry=r)
         self.in_flight = Gauge("ramjet_upstream_in_flight", "Requests in flight per replica",
-                               REPLICA_LABELS, registry=r)
+                               REPLICA_LABELS, registry=r, multiprocess_mode="livesum")
         self.load_units = Gauge("ramjet_upstream_load_units", "Reserved load units per replica",
-                                REPLICA_LABELS, registry=r)
+                                REPLICA_LABELS, registry=r, multiprocess_mode="livesum")
         self.ttfb = Histogram("ramjet_time_to_first_byte_seconds",
                               "Time from request arrival to the first response byte sent to the client",
                               ("route",), buckets=LATENCY_BUCKETS, registry=r)
@@ -72,11 +83,12 @@ class Metrics:
         self.completion_tokens = Counter("ramjet_completion_tokens", "Completion tokens reported by the engine",
                                          REPLICA_LABELS, registry=r)
         self.cache_ratio = Gauge("ramjet_cache_ratio",
-                                 "Engine-reported cached/prompt tokens over all requests since start", registry=r)
+                                 "Engine-reported cached/prompt tokens over all requests since start", registry=r,
+                                 multiprocess_mode="liveall")
         self.failovers = Counter("ramjet_failovers", "Attempts abandoned before the first byte and retried elsewhere",
                                  ("reason",), registry=r)
         self.upstream_up = Gauge("ramjet_upstream_up", "1 if the replica is serving, 0 if fenced",
-                                 REPLICA_LABELS, registry=r)
+                                 REPLICA_LABELS, registry=r, multiprocess_mode="livemin")
         self.probes = Counter("ramjet_upstream_probes", "Health probes by kind (readiness|rank) and result",
                               ("kind", "result"), registry=r)
         self.probe_suppressed = Counter("ramjet_upstream_probe_suppressed",
@@ -98,13 +110,14 @@ class Metrics:
         self.fail_open = Counter("ramjet_route_fail_open_dispatches",
                                  "Requests dispatched while no replica was serving", registry=r)
         self.index_blocks = Gauge("ramjet_index_blocks", "Prefix blocks remembered per replica",
-                                  REPLICA_LABELS, registry=r)
+                                  REPLICA_LABELS, registry=r, multiprocess_mode="liveall")
         self.routing_seconds = Histogram("ramjet_routing_seconds", "Parse + fingerprint + score time per request",
                                          buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05),
                                          registry=r)
         # precise mode (RJ_KV_EVENTS): the engines' KV cache events
         self.kv_precise = Gauge("ramjet_kv_precise", "1 while the replica is routed on its engine's KV events, "
-                                "0 while on the approximate index", REPLICA_LABELS, registry=r)
+                                "0 while on the approximate index", REPLICA_LABELS, registry=r,
+                                multiprocess_mode="livemin")
         self.kv_batches = Counter("ramjet_kv_event_batches", "KV event batches received", REPLICA_LABELS, registry=r)
         self.kv_events = Counter("ramjet_kv_events", "KV events received, by type", (*REPLICA_LABELS, "type"),
                                  registry=r)
@@ -114,10 +127,22 @@ class Metrics:
                                       "its arrival here", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                       registry=r)
         self.kv_resident_tokens = Gauge("ramjet_kv_resident_tokens", "Tokens the engine reports the replica holds, "
-                                        "by tier", (*REPLICA_LABELS, "medium"), registry=r)
+                                        "by tier", (*REPLICA_LABELS, "medium"), registry=r,
+                                        multiprocess_mode="livemax")
         self.predictions = Counter("ramjet_prefix_predictions", "Answered requests whose predicted cached tokens "
                                    "were within one block of the engine's report, by mode (precise, approximate)",
                                    ("mode", "agreed"), registry=r)
+        # engine-reported load (RJ_ENGINE_LOAD) and the state file's engine check (RJ_STATE_FILE)
+        self.engine_load_units = Gauge("ramjet_engine_load_units", "Load units the replica's engine reported beyond "
+                                       "this balancer's own requests, at its last report (0: own counts only)",
+                                       REPLICA_LABELS, registry=r, multiprocess_mode="liveall")
+        self.engine_load_fallbacks = Counter("ramjet_engine_load_fallbacks", "Reads of an engine's load that could "
+                                             "not be used, per replica affected (unreachable, bad_payload, silent, "
+                                             "unsupported): it routes on this balancer's own counts meanwhile",
+                                             ("reason",), registry=r)
+        self.state_restores = Counter("ramjet_state_restores", "Replicas whose saved approximate index was taken "
+                                      "back at start (restored), or not: engine_restarted, unconfirmed",
+                                      ("result",), registry=r)
         self.loop_lag = Histogram("ramjet_event_loop_lag_seconds",
                                   "How late the balancer's event loop ran a timer (sampled every 0.25 s): "
                                   "time every client waits on top of its request",
@@ -145,4 +170,8 @@ class Metrics:
             self.cache_ratio.set(self._cached_total / self._prompt_total)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        every_worker = CollectorRegistry()
+        MultiProcessCollector(every_worker, path=self.multiprocess_dir)
+        return generate_latest(every_worker)

@@ -25,16 +25,12 @@ fallback costs nothing but precision:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-
-from tokenizers import Tokenizer
 
 from ramjet.balancer.fleet import Fleet
+from ramjet.balancer.matcher import Matcher
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.topology import Replica
 from ramjet.balancer.upstream import Upstream, UpstreamFailure
@@ -42,41 +38,12 @@ from ramjet.errors import ApiError
 from ramjet.kvevents.discovery import Endpoints, from_operator, from_server_info
 from ramjet.kvevents.subscriber import EventStream, StreamState
 from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
-from ramjet.routing.prompt_tokens import PromptTokenizer, TemplateError
-from ramjet.routing.token_index import Held, TokenIndex, chain
+from ramjet.routing.token_index import Held
 
 log = logging.getLogger("ramjet.precise")
 
 AGREE_WINDOW = 3      # answers in a row that decide distrust, and trust again
 EXPECT_S = 5.0        # how long a routed request's blocks count as held before the engine reports them
-TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
-
-
-def load_tokenizer(path: str | Path, cache_tokens: int = 16_000_000) -> PromptTokenizer:
-    """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template)."""
-    path = Path(path)
-    try:
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    except Exception as e:  # the tokenizers library raises its own exception types
-        raise TemplateError(f"{path}: cannot load tokenizer.json: {e}") from None
-    config: dict = {}
-    if (path / "tokenizer_config.json").exists():
-        try:
-            config = json.loads((path / "tokenizer_config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise TemplateError(f"{path / 'tokenizer_config.json'}: {e}") from None
-    template = config.get("chat_template")
-    if isinstance(template, list):  # several named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    if template is None and (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
-    special = {}
-    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            special[key] = value
-    return PromptTokenizer(tokenizer, template, special, cache_tokens)
 
 
 @dataclass(slots=True)
@@ -136,35 +103,6 @@ class Match:
     shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
     chains: dict[int, list[int]]       # the prompt's block chain at each engine block size
     known: list[bool]                  # whether a replica's block size was known: without it, no prediction
-
-
-class Matcher:
-    """Request -> what each replica holds, tokenized off the event loop."""
-
-    def __init__(self, tokenizer: PromptTokenizer, index: TokenIndex, host_credit: float):
-        self.tokenizer = tokenizer
-        self.index = index
-        self.host_credit = host_credit
-        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
-
-    async def held(self, route: str, body: dict) -> tuple[int, list[Held], dict[int, list[int]]]:
-        """(prompt tokens, per replica what it holds, the prompt's chain per block size); ApiError if untokenizable."""
-        sizes = sorted({s for s in self.index.block_size if s})
-        ids, chains = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenize, route, body, sizes)
-        return len(ids), self.index.held_chains(chains), chains
-
-    def _tokenize(self, route: str, body: dict, sizes: list[int]):
-        ids = self.tokenizer.prompt_ids(route, body)
-        return ids, {size: chain(ids, size) for size in sizes}
-
-    def shares(self, prompt_tokens: int, held: list[Held]) -> list[float]:
-        """Each replica's held share of the prompt, a host-tier token worth `host_credit` of a GPU one."""
-        if not prompt_tokens:
-            return [0.0] * len(held)
-        return [min((h.gpu_tokens + self.host_credit * h.host_tokens) / prompt_tokens, 1.0) for h in held]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)

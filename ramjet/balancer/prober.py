@@ -145,8 +145,9 @@ class Prober:
         else:
             body = {"text": "ping", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         body["routed_dp_rank"] = replica.dp_rank
-        return await self._probe("rank", "POST", replica.url + path, self.s.rank_probe_timeout_s,
-                                 orjson.dumps(body), headers)
+        with self.fleet.probing(replica.ordinal):
+            return await self._probe("rank", "POST", replica.url + path, self.s.rank_probe_timeout_s,
+                                     orjson.dumps(body), headers)
 
     async def _probe(self, kind: str, method: str, url: str, timeout_s: float, content: bytes | None = None,
                      headers: list[tuple[bytes, bytes]] | None = None) -> str:

@@ -10,6 +10,7 @@ Modules, one per concern:
   summary.py   the maths over the records (warm-up filter, percentiles, stickiness, buckets)
   compare.py   cells of placements x team sizes x HiCache against fresh simulators
   precise.py   the `precise` placement: simulators publishing KV events, the balancer in precise mode
+  scrape.py    figures read from the balancer's /metrics at the end of a cell
   report.py    the comparison's table, summary.md/json, and the spread and paired differences of --repeats
   plots.py     PNG plots of a comparison
   cli.py       `ramjet bench swarm|compare`

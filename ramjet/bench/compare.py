@@ -50,6 +50,7 @@ from pathlib import Path
 
 from ramjet.bench import precise
 from ramjet.bench.report import cell_name, format_table, write_outputs
+from ramjet.bench.scrape import balancer_figures
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -190,6 +191,8 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
         finally:
             sampled = sampler.stop() if sampler else {}
         cpu = _cpu_share(cpu0, _cpu_snapshot(started), time.monotonic() - wall0)
+        if placement not in ("direct", "sglang-router"):
+            row["balancer"] = balancer_figures(urls[0])
         if events:
             row["precise"] = {**precise.precise_state(urls[0]), "kv_precise_at_start": at_start, **sampled,
                               "fallback_reasons": precise.fallback_reasons(started[-1].env["RJ_ADMIN_ADDR"])}

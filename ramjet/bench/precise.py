@@ -27,6 +27,8 @@ from importlib.resources import files
 
 import httpx
 
+from ramjet.bench.scrape import metric_sum
+
 TOKENIZER_DIR = str(files("ramjet.sim") / "tokenizer")
 _LOWEST_PORT = 10_000
 
@@ -103,18 +105,6 @@ def balancer_env(ports: list[EventPorts], dp_size: int) -> dict[str, str]:
     replay = ",".join(f"tcp://127.0.0.1:{p.replay + r}" for p in ports for r in range(dp_size))
     return {"RJ_ROUTE_AFFINITY_BASIS": "relative", "RJ_KV_EVENTS": "zmq", "RJ_TOKENIZER": TOKENIZER_DIR,
             "RJ_KV_EVENTS_REPLAY_ENDPOINT": replay}
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` in a Prometheus text exposition whose labels include `labels`."""
-    total = 0.0
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")):
-            head, value = line.rsplit(" ", 1)
-            if all(w in head for w in want):
-                total += float(value)
-    return total
 
 
 def precise_state(balancer_url: str, timeout: float = 5.0) -> dict:

@@ -170,6 +170,11 @@ def write_outputs(cfg, rows: list[dict]) -> None:
     states = [precise.describe(cell_name(r), r["precise"], 8 * r["engines"]) for r in rows if "precise" in r]
     if states:
         md += ["Precise mode (the balancer's /metrics after the swarm):", "", *[f"- {x}" for x in states], ""]
+    figures = [f"{cell_name(r)}: " + ", ".join(f"{k} {v:g}" for k, v in r["balancer"].items() if v is not None)
+               for r in rows if r.get("balancer")]
+    if figures:
+        md += ["The balancer's own figures (real milliseconds; *_bound: the upper bound of the histogram bucket):",
+               "", *[f"- {x}" for x in figures], ""]
     floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
     if floors:
         md += [("TTFT floor (median time to first token of tiny one-token requests on the idle stack, in engine "

@@ -38,6 +38,17 @@ def _conflicts(given: Collection[str]) -> list[str]:
     return out
 
 
+def _combinations(s: Settings) -> list[str]:
+    """Rules on values that only hold together."""
+    out = []
+    if s.workers > 1 and s.kv_events != "zmq":
+        out.append(f"RJ_WORKERS={s.workers} needs RJ_KV_EVENTS=zmq: without the engines' KV events each worker knows "
+                   "only the turns it forwarded, so a session's turns, spread over the workers by the kernel, would "
+                   "split across ranks and pay their prefill again; one worker is enough for a single server "
+                   "(docs/operations.md, \"Several worker processes\")")
+    return out
+
+
 def _unknown(env: Mapping[str, str]) -> list[str]:
     out = []
     for name in sorted(k for k in env if k.upper().startswith(PREFIX) and k not in KNOWN_VARS):
@@ -80,6 +91,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     except ValidationError as exc:
         problems += _invalid(exc, given)
     problems += _conflicts(given)
+    if settings is not None:
+        problems += _combinations(settings)
     if problems:
         raise ConfigError(problems)
     assert settings is not None

@@ -107,6 +107,15 @@ class Settings(BaseSettings):
     state_interval_ms: PositiveInt = 30_000
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # shutdown and several processes (docs/operations.md)
+    shutdown_drain_ms: NonNegativeInt = 5000    # /readyz answers 503 this long before listeners close
+    shutdown_grace_ms: NonNegativeInt = 60_000  # then in-flight requests may finish for this long
+    workers: PositiveInt = 1                    # balancer processes sharing RJ_API_ADDR (SO_REUSEPORT)
+
+    # engine-reported load (ramjet.balancer.engine_load)
+    engine_load: Literal["auto", "off"] = "auto"
+    engine_load_interval_ms: PositiveInt = 1000
+
     # precise mode: route on the engines' own KV cache events (docs/design.md)
     kv_events: Literal["off", "zmq"] = "off"
     kv_events_endpoint: str | None = None         # a template (tcp://{host}:5557, + rank) or a list; None: discover
@@ -320,6 +329,9 @@ class Settings(BaseSettings):
     liveness_window_s = _seconds("liveness_window_ms")
     kv_events_silence_s = _seconds("kv_events_silence_ms")
     state_interval_s = _seconds("state_interval_ms")
+    shutdown_drain_s = _seconds("shutdown_drain_ms")
+    shutdown_grace_s = _seconds("shutdown_grace_ms")
+    engine_load_interval_s = _seconds("engine_load_interval_ms")
     client_header_timeout_s = _seconds("client_header_timeout_ms")
     client_body_timeout_s = _seconds("client_body_timeout_ms")
     client_idle_timeout_s = _seconds("client_idle_timeout_ms")

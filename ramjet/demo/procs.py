@@ -126,6 +126,7 @@ def start_balancer(port: int, env: dict[str, str], log_path: str | Path | None =
     """Start `ramjet serve` listening on 127.0.0.1:port with RJ_* settings from `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("RJ_")}
     full_env["RJ_ADMIN_ADDR"] = f"127.0.0.1:{free_port()}"  # never the default port: several may run at once
+    full_env["RJ_SHUTDOWN_DRAIN_MS"] = "0"  # nothing in front of it to stop sending: stop() needs no drain
     full_env.update(env)
     full_env["RJ_API_ADDR"] = f"127.0.0.1:{port}"
     argv = [sys.executable, "-m", "ramjet", "serve"]

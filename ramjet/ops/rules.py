@@ -14,8 +14,9 @@ from urllib.parse import urlsplit
 
 from ramjet.config import FALSE_WORDS, TRUE_WORDS, ConfigError, load_settings
 from ramjet.ops.compose import Bundle
-from ramjet.ops.rules_precise import (kv_endpoints, kv_events_config, kv_events_ports, kv_events_unpublished,
-                                      precise_mode, settings_environment, tokenizer_mount)
+from ramjet.ops.rules_lifecycle import stop_grace
+from ramjet.ops.rules_precise import (engine_load, kv_endpoints, kv_events_config, kv_events_ports,
+                                      kv_events_unpublished, precise_mode, settings_environment, tokenizer_mount)
 
 ENGINE_MARKER = "sglang.launch_server"
 RUNNING_PER_RANK = 16
@@ -374,4 +375,7 @@ RULES: dict[str, Callable[[Deployment], Verdict]] = {
     # precise mode (rules_precise.py): the engine's KV events and the balancer that reads them
     "precise-mode": precise_mode, "tokenizer-mount": tokenizer_mount, "kv-events-config": kv_events_config,
     "kv-events-ports": kv_events_ports, "kv-events-unpublished": kv_events_unpublished, "kv-endpoints": kv_endpoints,
+    "engine-load": engine_load,
+    # stopping the balancer (rules_lifecycle.py): Docker waits for its drain and grace
+    "stop-grace": stop_grace,
 }

@@ -9,6 +9,11 @@ SGLang v0.5.20 facts they rely on (sglang/srt/disaggregation/kv_events.py): with
 publishes on the endpoint's port + r and answers replay requests on the replay port + r; the event
 socket binds only a wildcard host (`*`, `0.0.0.0`, `::`) and connects to any other, and the replay
 socket binds whatever host it is given. The rules are registered in ramjet/ops/rules.py (RULES).
+
+The engine's load publisher (`--load-publish-endpoint`, SGLang v0.5.20: kv_events.py
+`resolve_load_pub_range`) rides on the same publisher: it needs `--kv-events-config`, binds only a
+wildcard host, and puts rank r on its base port + r; `auto` packs the range right after the event
+range, or after the replay range when the two would overlap.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from ramjet.ops.rules import Deployment, Verdict
 
 FLAG = "--kv-events-config"
+LOAD_FLAG = "--load-publish-endpoint"
 # The fields of SGLang v0.5.20's KVEventsConfig; it ignores any other key without a word.
 KV_EVENTS_KEYS = ("publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "max_queue_size", "topic")
 DEFAULT_ENDPOINT = "tcp://*:5557"  # SGLang's default when the key is absent; the replay endpoint has none
@@ -157,11 +163,28 @@ def _engine_ports(d: Deployment) -> list[tuple[str, range]]:
     elif d.flags.get("--enable-dp-attention") is True:
         ports = range(port + DP_PORT_DELTA, port + DP_PORT_DELTA + DP_DERIVED_PORTS)
         out.append((f"SGLang's DP-attention ports {_span(ports)} (--port + {DP_PORT_DELTA})", ports))
-    load = d.flag("--load-publish-endpoint") or ""
+    load = d.flag(LOAD_FLAG) or ""
     if load.startswith("tcp://") and load.rpartition(":")[2].isdigit():
         ports = range(int(load.rpartition(":")[2]), int(load.rpartition(":")[2]) + d.dp)
-        out.append((f"--load-publish-endpoint ports {_span(ports)}", ports))
+        out.append((f"{LOAD_FLAG} ports {_span(ports)}", ports))
     return out
+
+
+def load_ports(d: Deployment, events: Publisher, replay: Publisher) -> range | str | None:
+    """The ranks' load publisher ports, None when the engine publishes no load, or why SGLang would refuse it."""
+    mode = (d.flag(LOAD_FLAG) or "").strip()
+    if not mode or mode.lower() == "off":
+        return None
+    if mode.lower() == "auto":  # packed after the event range, or after the replay range if they would overlap
+        base = events.port + d.dp
+        if base < replay.port + d.dp and replay.port < base + d.dp:
+            base = replay.port + d.dp
+        return range(base, base + d.dp)
+    host, sep, port = mode.removeprefix("tcp://").rpartition(":")
+    if not mode.startswith("tcp://") or not sep or not port.isdigit() or host not in WILDCARD_HOSTS:
+        return (f"{LOAD_FLAG} {mode!r} is neither auto nor a bindable tcp://*:PORT: SGLang refuses it at start-up "
+                "(a concrete host would be connected to, not bound)")
+    return range(int(port), int(port) + d.dp)
 
 
 def kv_events_unpublished(d: Deployment) -> Verdict:
@@ -177,6 +200,36 @@ def kv_events_unpublished(d: Deployment) -> Verdict:
                        "the events carry every cached prompt's token ids and the replay socket answers anyone, so "
                        "they stay on the bundle's network (expose:), where the balancer reaches them")
     return True, f"service {d.engine.name} keeps the KV event ports off the host (not in ports:)"
+
+
+def engine_load(d: Deployment) -> Verdict:
+    """The engine pushes each rank's load, so every balancer sees requests that reached the rank another way."""
+    mode = (d.flag(LOAD_FLAG) or "").strip()
+    if FLAG not in d.flags:
+        if mode and mode.lower() != "off":
+            return False, (f"{LOAD_FLAG} without {FLAG}: SGLang refuses to start (routers find the load publisher "
+                           "through the kv_events block of /server_info)")
+        return None, ("approximate mode: SGLang publishes its load only beside a KV event publisher; the balancer "
+                      "polls GET /v1/loads instead")
+    found = publishers(d)
+    if isinstance(found, str):
+        return None, NO_CONFIG
+    ports = load_ports(d, *found)
+    if ports is None:
+        return False, (f"the engine does not publish its per-rank load (no {LOAD_FLAG}): the balancer then polls "
+                       "GET /v1/loads once per RJ_ENGINE_LOAD_INTERVAL_MS and between polls counts only its own "
+                       f"requests; add {LOAD_FLAG} tcp://*:PORT (rank r publishes on PORT + r)")
+    if isinstance(ports, str):
+        return False, ports
+    if d.env.get("RJ_ENGINE_LOAD", "auto").strip().lower() == "off":
+        return False, (f"service {d.balancer.name}: RJ_ENGINE_LOAD=off, so the balancer ignores the load the engine "
+                       "publishes and sees only the requests it sent itself; set it to auto")
+    bad = [str(p) for p in d.engine.ports if set(ports).intersection(p.target_ports)]
+    if bad:
+        return False, (f"service {d.engine.name} publishes its load ports to the host in ports: ({'; '.join(bad)}): "
+                       "they answer anyone; keep them on the bundle's network (expose:)")
+    return True, (f"{LOAD_FLAG} {mode}: rank r publishes its load on {ports.start} + r ({_span(ports)}), found by "
+                  "the balancer in /server_info")
 
 
 # --- the balancer's half -------------------------------------------------------------------

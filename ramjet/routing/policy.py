@@ -66,15 +66,15 @@ class Ranking:
     reason: str             # why the first one won: affinity | load | tiebreak | only_choice | fail_open
 
 
-def rank(policy: Policy, c: Candidates, rotation: int) -> Ranking:
-    """Score every replica under `policy` and order them; `rotation` is the tie-break state."""
+def rank(policy: Policy, c: Candidates, tiebreak: Sequence[int]) -> Ranking:
+    """Score every replica under `policy` and order them; equals are ordered by `tiebreak` (lowest first)."""
     n = len(c.overlaps)
     alpha = policy.params.alpha
     credit = policy.credits(c)
     scores = [cr - alpha * load for cr, load in zip(credit, c.loads)]
     overlap_key = c.overlaps if policy.reads_overlap else [0] * n
     serving = c.serving
-    order = sorted(range(n), key=lambda i: (not serving[i], -scores[i], -overlap_key[i], (i - rotation) % n))
+    order = sorted(range(n), key=lambda i: (not serving[i], -scores[i], -overlap_key[i], tiebreak[i]))
     return Ranking(order, scores, credit, _reason(order, scores, c, policy.reads_overlap))
 
 
@@ -92,3 +92,21 @@ def _reason(order: list[int], scores: list[float], c: Candidates, reads_overlap:
     if reads_overlap and overlaps[best] > 0 and overlaps[best] == max(c.peers()):
         return "affinity"
     return "load"
+
+
+_MASK = (1 << 64) - 1
+
+
+def rendezvous(key: int, n: int) -> list[int]:
+    """Per replica, a pseudo-random rank drawn from `key` (rendezvous hashing, splitmix64's mixer).
+
+    Ties between replicas are broken by these: the same request meets the same order in
+    every balancer process (no per-process counter), and different requests spread evenly.
+    """
+    out = []
+    for i in range(n):
+        z = (key + (i + 1) * 0x9E3779B97F4A7C15) & _MASK
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        out.append(z ^ (z >> 31))
+    return out

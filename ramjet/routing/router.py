@@ -3,7 +3,8 @@
 Pure state and arithmetic, no I/O and no clock, so every decision can be
 replayed (tests/test_routing_replay.py). The balancer tells it which replicas
 serve and how loaded they are, and which replica answered; it keeps the prefix
-index, the new-session demand and the tie-break rotation.
+index and the new-session demand. Ties are broken by a hash of the request, not a
+counter, so balancers that see the same replicas decide alike (docs/design.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ramjet.routing.demand import Demand
 from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.index import PrefixIndex
 from ramjet.routing.policies import NewSessions, make_policy
-from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank
+from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank, rendezvous
 from ramjet.routing.units import load_units
 
 
@@ -45,16 +46,14 @@ class Router:
         self.new_sessions = NewSessions(params)
         self.index = PrefixIndex(index_capacities, mark_ends=self.balance_new_sessions)
         self.demand = Demand(len(index_capacities))
-        self.rotation = 0
 
     def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
-               advance: bool = True, held: Sequence[float | None] | None = None) -> Decision:
+               held: Sequence[float | None] | None = None) -> Decision:
         """Rank every replica for this request; raises ApiError (400) on wrong-typed prompt fields.
 
         `held[i]`, where given and not None, is the share of the prompt replica i's engine reports it
         holds (precise mode, from the KV events); it replaces the approximate index's guess for that
         replica, in the same units, so the policies do not care where an overlap came from.
-        `advance=False` leaves the tie-break rotation where it is (explaining, not routing).
         """
         chunk = self.params.chunk_bytes
         fp = fingerprint(route, body, chunk, self.max_prefix_bytes)
@@ -67,9 +66,7 @@ class Router:
         policy = self.new_sessions if new_session else self.policy
         candidates = Candidates([c / chunk for c in covered], loads, serving,
                                 fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
-        ranking = rank(policy, candidates, self.rotation)
-        if advance:
-            self.rotation += 1
+        ranking = rank(policy, candidates, rendezvous(fp.blocks[-1] if fp.blocks else 0, n))
         return Decision(fp, overlaps, covered, ranking, new_session, policy.name)
 
     def answered(self, replica: int, decision: Decision) -> None:

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from functools import reduce
+from itertools import repeat
+from operator import and_, or_
 
 import xxhash
 
 GPU = "GPU"
 HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
 _FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
+RUN = 32  # blocks a walk tries to skip at once
+_ZEROS = repeat(0)
 
 
 def chain_seed(lora_id: int | None = None, cache_salt: str | None = None) -> int:
@@ -239,31 +244,50 @@ class TokenIndex:
 
     def _walk(self, hashes: list[int], size: int, alive: int, out: list[Held]) -> None:
         """One pass along the chain: where each replica's run ends (held, and held or in flight), and which
-        of its held blocks are on a host tier."""
-        gpu_table, host_table, pending, inflight = self._gpu, self._host, self._pending, self._inflight
+        of its held blocks are on a host tier.
+
+        Runs of RUN blocks that change nothing (every replica still running holds them on its GPU, or has
+        them in flight where it only reaches) are skipped with a few lookups in C; the rest goes block by
+        block. A long warm prompt is mostly such runs.
+        """
+        gpu_of, host_of, pending_of, inflight_of = (self._gpu.get, self._host.get, self._pending.get,
+                                                    self._inflight.get)  # bound once: this loop is the hot path
         depth_of: dict[int, int] = {}
         reach_of: dict[int, int] = {}
         host_blocks: dict[int, int] = {}
         reach = alive
-        depth = 0
-        for depth, h in enumerate(hashes):
-            on_gpu, on_host = gpu_table.get(h, 0) | pending.get(h, 0), host_table.get(h, 0)
-            gpu = on_gpu & alive
-            host = on_host & alive & ~gpu
-            still = gpu | host
-            reaching = (on_gpu | on_host | inflight.get(h, 0)) & reach
-            _ended_at(alive & ~still, depth, depth_of)
-            _ended_at(reach & ~reaching, depth, reach_of)
-            while host:  # rare without a host tier
-                low = host & -host
-                r = low.bit_length() - 1
-                host_blocks[r] = host_blocks.get(r, 0) + 1
-                host ^= low
-            alive, reach = still, reaching
-            if not reach:
-                break
-        else:
-            depth = len(hashes)
+        depth = n = len(hashes)
+        d = 0
+        while d < n and reach:
+            start, end = d, min(d + RUN, n)
+            run = hashes[start:end]
+            on_gpu = list(map(or_, map(gpu_of, run, _ZEROS), map(pending_of, run, _ZEROS)))
+            if reduce(and_, on_gpu) & alive == alive and (reach == alive or reduce(
+                    and_, map(or_, map(or_, on_gpu, map(host_of, run, _ZEROS)), map(inflight_of, run, _ZEROS)))
+                    & reach == reach):
+                d = end
+                continue
+            for d in range(start, end):
+                h = hashes[d]
+                on_host = host_of(h, 0)
+                gpu = on_gpu[d - start] & alive
+                host = on_host & alive & ~gpu
+                still = gpu | host
+                reaching = (on_gpu[d - start] | on_host | inflight_of(h, 0)) & reach
+                if still != alive:
+                    _ended_at(alive & ~still, d, depth_of)
+                if reaching != reach:
+                    _ended_at(reach & ~reaching, d, reach_of)
+                while host:  # rare without a host tier
+                    low = host & -host
+                    r = low.bit_length() - 1
+                    host_blocks[r] = host_blocks.get(r, 0) + 1
+                    host ^= low
+                alive, reach = still, reaching
+                if not reach:
+                    depth = d
+                    break
+            d = end
         _ended_at(alive, depth, depth_of)  # replicas whose run goes to the chain's end
         _ended_at(reach, depth, reach_of)
         for r, d in depth_of.items():

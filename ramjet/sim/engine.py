@@ -16,6 +16,7 @@ advance decode by that clock. All engine work is divided by the time scale.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from array import array
@@ -23,7 +24,7 @@ from collections import deque
 
 from ramjet.sim.cache import IdealCache, PrefixCache
 from ramjet.sim.config import FAULT_MODES, SLOW_FACTOR, SimConfig
-from ramjet.sim.kv_events import EnginePublishers, load_endpoint
+from ramjet.sim.kv_events import LOAD_HEARTBEAT_S, EnginePublishers, load_endpoint
 from ramjet.sim.kv_wire import wire
 from ramjet.sim.request import STAT_KEYS, RankStats, Req
 from ramjet.sim.tokens import OUTPUT_WORDS, Prompt, Tokenizer, load_tokenizer, make_prompt, page_hashes
@@ -91,9 +92,11 @@ class Rank:
             elif self.decoding:
                 await self._decode_tick()
             else:
-                if self.load is not None:
+                if self.load is not None:  # idle: SGLang still publishes its load, once a second
                     self.load.settle(self.load_stat)
-                await self._idle()
+                    await self._idle(LOAD_HEARTBEAT_S)
+                else:
+                    await self._idle()
 
     def publish(self, force_load: bool = False) -> None:
         """End of a scheduler step: one batch of this step's KV events, and load now and then (as SGLang)."""
@@ -109,8 +112,10 @@ class Rank:
                 sum(r.uncached for r in self.waiting), c.device_tokens + c.reserved,
                 self.config.max_running_per_rank, self.prefill_uncached_tokens, int(self.prefill_busy_s * 1e6)]
 
-    async def _idle(self) -> None:
-        await self._wake.wait()
+    async def _idle(self, at_most_s: float | None = None) -> None:
+        """Until poked, or `at_most_s`; the loop looks at its queues again either way."""
+        with contextlib.suppress(TimeoutError):
+            await (self._wake.wait() if at_most_s is None else asyncio.wait_for(self._wake.wait(), at_most_s))
         self._wake.clear()
 
     def _admit(self) -> Req | None:

@@ -34,6 +34,7 @@ log = logging.getLogger("ramjet.sim")
 POLL_S = 0.01  # the publisher thread's longest wait before it looks at replay requests again
 LOAD_TOPIC = b"load"
 LOAD_EVERY = 5  # SGLang publishes load every 5 scheduler steps, and after every prefill batch
+LOAD_HEARTBEAT_S = 1.0  # ... and an unchanged stat at most, and while idle at least, this often (real seconds)
 
 
 class Publisher:
@@ -166,28 +167,36 @@ def load_endpoint(config: KVEventsConfig, dp_size: int, setting: str | None) -> 
 
 
 class LoadStats:
-    """SGLang's load publisher for one rank: `[b"load", seq, ["LoadStat", ...]]`, no replay."""
+    """SGLang's load publisher for one rank: `[b"load", seq, ["LoadStat", ...]]`, no replay.
+
+    As SGLang 0.5.20's `SchedulerLoadPublisher`: every LOAD_EVERY steps (or at once when
+    forced), a changed stat goes out at once and an unchanged one at most once per
+    LOAD_HEARTBEAT_S; an idle rank publishes on every idle pass, so a router hears from
+    it about once a second (the heartbeat) and knows the stream is alive.
+    """
 
     def __init__(self, endpoint: str):
         self.publisher = Publisher(endpoint, None, LOAD_TOPIC, None, 0, 100_000, 1_000)
         self._steps = 0
         self._last: list | None = None
+        self._sent_at = -1e18
 
     def step(self, stat_of, force: bool) -> None:
         """Called once per rank step; publishes every LOAD_EVERY steps, or now if `force`."""
         self._steps += 1
         if force or self._steps >= LOAD_EVERY:
-            self._send(stat_of())
+            self._steps = 0
+            self._offer(stat_of())
 
     def settle(self, stat_of) -> None:
-        """The rank is going idle: publish its state if it changed, so the last word is not a busy one."""
-        stat = stat_of()
-        if stat != self._last:
-            self._send(stat)
+        """An idle pass of the rank loop (SGLang's on_idle): forced, so a change or the heartbeat goes out."""
+        self._offer(stat_of())
 
-    def _send(self, stat: list) -> None:
-        self._steps = 0
-        self._last = stat
+    def _offer(self, stat: list) -> None:
+        now = time.monotonic()
+        if stat == self._last and now - self._sent_at < LOAD_HEARTBEAT_S:
+            return
+        self._last, self._sent_at = stat, now
         self.publisher.publish(msgpack.packb(["LoadStat", *stat]))
 
 

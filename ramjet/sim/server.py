@@ -36,6 +36,9 @@ REQUEST_LOG = 1000  # requests remembered for GET /sim/requests
 INLINE_CHARS = 8_192  # prompt text new to the tokenizer's cache beyond this (~5 ms) is tokenized off the event loop
 _MODEL_TYPE = "glm_moe_dsa"
 _ARCHITECTURE = "GlmMoeDsaForCausalLM"
+# SGLang 0.5.20's `startup_time` in /server_info: this launch's start-up phases in seconds, timed with
+# perf_counter (so no two launches report the same); cuda_graph has one entry per capture phase.
+_GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
 
 
 def _json(obj, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -109,7 +112,10 @@ def kv_events_descriptor(config: SimConfig) -> dict | None:
 
 
 def build_app(config: SimConfig) -> Starlette:
-    engine = Engine(config)
+    launched = time.perf_counter()
+    engine = Engine(config)  # the tokenizer is what this engine loads in place of weights
+    startup = {"load_weight": time.perf_counter() - launched, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+               "cuda_graph": dict.fromkeys(_GRAPH_PHASES, 0.0), "tokenizer_e2e": 0.0}
     tokenizer = engine.tokenizer
     seen: deque = deque(maxlen=REQUEST_LOG)
     render_metrics = metrics_renderer(engine)
@@ -199,7 +205,7 @@ def build_app(config: SimConfig) -> Starlette:
             "chunked_prefill_size": config.chunked_prefill, "page_size": config.page_tokens,
             "kv_cache_dtype": "fp8_e4m3", "enable_hierarchical_cache": config.hicache_tokens_per_rank > 0,
             "enable_cache_report": True, "enable_metrics": True, "api_key_set": config.api_key is not None,
-            "version": VERSION, "internal_states": per_rank, "kv_events_config": config.kv_events_config,
+            "version": VERSION, "startup_time": startup, "internal_states": per_rank, "kv_events_config": config.kv_events_config,
             "kv_events": kv_events_descriptor(config), "load_publish_endpoint": config.load_publish_endpoint,
             "simulator": {"time_scale": config.time_scale, "prefill_tokens_per_s": config.prefill_tokens_per_s,
                           "decode_tokens_per_s": config.decode_tokens_per_s,
@@ -286,7 +292,10 @@ def build_app(config: SimConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        started_at = time.perf_counter()
         engine.start()
+        startup["scheduler_e2e"] = time.perf_counter() - started_at
+        startup["tokenizer_e2e"] = time.perf_counter() - launched
         log.info("simulated SGLang %s engine: %d DP ranks, %d KV tokens per rank, time scale %g",
                  VERSION, config.dp_size, config.kv_tokens_per_rank, config.time_scale)
         try:
