@@ -4,6 +4,7 @@ and the swarm client against a single simulator."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 import json
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ import pytest
 import ramjet.balancer.serve  # noqa: F401 - an import error in the balancer fails these tests, never skips them
 import ramjet.sim.cli  # noqa: F401
 from ramjet.bench.compare import CompareConfig, format_table, run_compare
-from ramjet.bench.report import format_repeats
+from ramjet.bench.report import format_repeats, interval95
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -98,8 +99,14 @@ def test_repeats_pair_placements_and_report_the_spread():
              "ttft_p50": 0.5, "ttft_p90": 1.0, "stickiness": 0.99} for i, c in enumerate(cells)]
     text = format_repeats(rows)
     assert "| relative | 16 | off | 1 | 3 | 90.0% (90.0%..90.0%) | 62.0 (60.0..64.0) |" in text
-    assert "| precise | 16 | off | 1 | 3 | +1.0 (+1.0..+1.0) | +1.0 (+1.0..+1.0) |" in text
+    # the same difference in every pair: an interval of width 0 that excludes zero (*); none for equal TTFTs
+    assert "| precise | 16 | off | 1 | 3 | +1.0 ±0.0* (+1.0..+1.0) | +1.0 ±0.0* (+1.0..+1.0) | +0.00 ±0.00 (" in text
     assert text.rstrip().endswith("| 3/3/0 of 3 |")  # turns/min and cache better in every pair, TTFT p50 tied
+
+
+def test_the_95_percent_interval_is_students():
+    assert interval95([1.0, 2.0, 3.0]) == pytest.approx(4.303 * 1.0 / 3 ** 0.5)  # sd 1, n 3, t(2) = 4.303
+    assert interval95([0.0, 1.0] * 40) == pytest.approx(1.96 * statistics.stdev([0.0, 1.0] * 40) / 80 ** 0.5)
 
 
 async def test_swarm_records_failures_and_stops_on_time_against_a_dead_url():

@@ -5,13 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from array import array
 from importlib.resources import files
 
 import httpx
 import pytest
 
 from harness import metric_sum, stack, until
+from ramjet.balancer.fleet import Fleet
+from ramjet.balancer.matcher import Matcher, load_tokenizer
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.precise import AGREE_WINDOW, Match, PreciseMode, PreciseSettings
+from ramjet.balancer.topology import Replica
 from ramjet.demo.sessions import run_sessions
+from ramjet.routing.token_index import TokenIndex, chain
 
 TOKENIZER = str(files("ramjet.sim") / "tokenizer")  # the simulator's own: the model's tokenizer, as deployed
 
@@ -254,3 +261,31 @@ def test_an_engine_restart_clears_what_its_replicas_held(start_sim, start_balanc
     assert resident() == 0
     asyncio.run(run_sessions(url, sessions=2, turns=1, seed=9, tool_s=0.1))  # the new streams refill the index
     asyncio.run(until(lambda: resident() > 0, "the restarted engine's blocks reported"))
+
+
+@pytest.mark.parametrize("evictions_reported", [True, False])
+def test_a_prefix_evicted_while_its_request_waited_is_no_reason_to_distrust_the_stream(evictions_reported):
+    # On a full cache a turn queued for long finds part of its prefix evicted: it was predicted, rightly, from
+    # what the rank held when it was routed. If the stream reported the evictions, the view is right and the
+    # replica stays precise (the prediction metric still counts the misses); if not, the view is wrong.
+    replicas = [Replica(ordinal=0, url="http://e", dp_rank=0, node="n", engine="http://e")]
+    metrics = Metrics()
+    index = TokenIndex(1)
+    precise = PreciseMode(replicas, Fleet(replicas, metrics, 30.0, 1), metrics,
+                          Matcher(load_tokenizer(TOKENIZER), index, 0.9), PreciseSettings(None, None, "", 10.0, 5.0))
+    precise.streaming[0], precise.trust[0].synced = True, True
+    ids = array("I", range(1, 8 * 64 + 1))
+    assert index.stored(0, list(range(100, 108)), None, ids, 64)
+    chains = {64: chain(ids, 64)}
+    match = Match(len(ids), index.held_chains(chains), [1.0], chains, [True], index.removals)
+    assert match.held[0].gpu_tokens == 8 * 64
+    index.removed(0, [107])  # evicted after the match, and recomputed by this request: no excuse for the miss
+    assert index.stored(0, [107], 106, ids[7 * 64:], 64)
+    if evictions_reported:
+        index.removed(0, [104, 105, 106, 107])
+        assert index.stored(0, [104, 105, 106, 107], 103, ids[4 * 64:], 64)  # and this request stored them again
+    for _ in range(AGREE_WINDOW):
+        precise.observe(0, match, 0, reported=4 * 64, prompt_tokens=len(ids))
+    assert precise.report(0)["mode"] == ("precise" if evictions_reported else "approximate")
+    assert metric_sum(metrics.render().decode(), "ramjet_prefix_predictions_total", mode="precise",
+                      agreed="false") == AGREE_WINDOW

@@ -231,7 +231,7 @@ class Forwarder:
         """Compare what each index predicted for replica i with the cached tokens its engine reported."""
         m, fp = o.match, o.decision.fingerprint
         approximate = round(fp.covered_bytes(o.decision.overlaps[i]) / max(fp.prompt_bytes, 1) * m.prompt_tokens)
-        self.precise.observe(i, m.held[i], approximate, o.usage.cached_tokens, o.usage.prompt_tokens)
+        self.precise.observe(i, m, approximate, o.usage.cached_tokens, o.usage.prompt_tokens)
 
     def _failed(self, o: Outcome, i: int, reason: str) -> str:
         o.failed_attempt(i, reason)

@@ -103,6 +103,7 @@ class Match:
     shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
     chains: dict[int, list[int]]       # the prompt's block chain at each engine block size
     known: list[bool]                  # whether a replica's block size was known: without it, no prediction
+    removals: int = 0                  # the token index's eviction mark when it was matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +151,8 @@ class PreciseMode:
         shares = self.matcher.shares(prompt_tokens, held)
         known = [size in chains for size in self.index.block_size]
         return Match(prompt_tokens, held, [s if k and t.trusted(now) else None
-                                           for s, k, t in zip(shares, known, self.trust)], chains, known)
+                                           for s, k, t in zip(shares, known, self.trust)], chains, known,
+                     self.index.removals)
 
     def sent(self, i: int, match: Match) -> None:
         """The request goes to replica i: until its first byte, its blocks bound what i may hold."""
@@ -183,17 +185,26 @@ class PreciseMode:
         size = self.index.block_size[i] or next(iter(match.chains), None)
         return match.chains.get(size)
 
-    def observe(self, i: int, held: Held, approximate: int, reported: int, prompt_tokens: int) -> None:
+    def observe(self, i: int, match: Match, approximate: int, reported: int, prompt_tokens: int) -> None:
         """An answered request on replica i: the engine reported `reported` of `prompt_tokens` cached.
 
         The prediction agrees when the report lies within a block of what i held, or of what it could
-        hold by then: the blocks of requests in flight there when this one was matched."""
+        hold by then: the blocks of requests in flight there when this one was matched. A report below
+        that is still consistent with the stream when the engine's events removed, after the match, the
+        block where the engine's cached prefix ended: on a full cache a turn queued for long finds part
+        of its prefix evicted (measured: most misses at 64 agents without a host tier), which the stream
+        told truly. The replica's trust follows consistency; the metric counts the prediction."""
         if not self.streaming[i]:  # no publisher: nothing to trust or distrust
             return
         block = self.index.block_size[i] or 1
+        held = match.held[i]
         agreed = held.tokens - block <= reported <= max(held.tokens, held.reach_tokens) + block
+        consistent = agreed
+        if reported < held.tokens - block and (hashes := self._chain(i, match)):
+            end = reported // block  # the first block the engine did not find
+            consistent = self.index.removed_since(i, hashes[max(end - 1, 0):end + 2], match.removals)
         was = self.trust[i].trusted(time.monotonic())
-        self.trust[i].compare(agreed)
+        self.trust[i].compare(consistent)
         if prompt_tokens - reported >= 2 * block:  # it computed whole new blocks: the engine will report them
             self.trust[i].owed(time.monotonic() + self.s.silence_s)
         self.metrics.predictions.labels("precise", str(agreed).lower()).inc()

@@ -80,12 +80,28 @@ def _groups(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
     return out
 
 
-def _spread(values: list[float], fmt: str) -> str:
+# Student's t, two-sided 95%, by degrees of freedom (1..30); beyond, the normal's 1.96
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval95(values: list[float]) -> float:
+    """Half-width of the 95% confidence interval of the mean of `values` (Student's t; needs two or more)."""
+    df = len(values) - 1
+    return (_T95[df - 1] if df <= len(_T95) else 1.96) * statistics.stdev(values) / len(values) ** 0.5
+
+
+def _spread(values: list[float], fmt: str, interval: bool = False) -> str:
+    """Mean (min..max); with `interval`, also the 95% half-width, starred when the interval excludes zero."""
     if not values:
         return "-"
     if len(values) == 1:
         return fmt.format(values[0])
-    return f"{fmt.format(statistics.fmean(values))} ({fmt.format(min(values))}..{fmt.format(max(values))})"
+    mean, text = statistics.fmean(values), ""
+    if interval:
+        half = interval95(values)
+        text = f" ±{fmt.replace('+', '').format(half)}{'*' if abs(mean) > half else ''}"
+    return f"{fmt.format(mean)}{text} ({fmt.format(min(values))}..{fmt.format(max(values))})"
 
 
 def mean_rows(rows: list[dict]) -> list[dict]:
@@ -113,7 +129,8 @@ def format_repeats(rows: list[dict]) -> str:
         return "\n".join(lines)
     base = placements[0]
     lines += ["", (f"Paired differences, placement - {base}, over the repeats run with the same seed "
-                   "(mean (min..max); 'better' counts the repeats where the placement did better):"), "",
+                   "(mean ±95% interval (min..max), * where the interval excludes zero; 'better' counts the "
+                   "repeats where the placement did better):"), "",
               ("| placement | devs | HiCache | engines | pairs | "
                + " | ".join(f"{h} diff" + (" (pt)" if k in _POINTS else "") for k, h, _, _ in SPREAD_COLUMNS)
                + " | better (turns/min, cache, TTFT p50) |"),
@@ -133,7 +150,7 @@ def format_repeats(rows: list[dict]) -> str:
             for key, _, _, fmt in SPREAD_COLUMNS:
                 diffs = [(b[key] - a[key]) * (100 if key in _POINTS else 1) for a, b in pairs
                          if a.get(key) is not None and b.get(key) is not None]
-                cells.append(_spread(diffs, fmt))
+                cells.append(_spread(diffs, fmt, interval=True))
             for key, sign in (("turns_per_min", 1), ("cache_ratio", 1), ("ttft_p50", -1)):
                 wins.append(sum(1 for a, b in pairs if a.get(key) is not None and b.get(key) is not None
                                 and sign * (b[key] - a[key]) > 0))

@@ -3,8 +3,9 @@
 A policy only turns what each replica holds into credit points (`credits`).
 Everything else is common and stated once here: score = credit - alpha * load,
 candidates ordered serving first, then by score, then by raw overlap (for
-policies that read it), then by a rotating tie-break so ties spread out, and
-the reason the winner won. docs/architecture.md shows how to add a policy.
+policies that read it), then by a tie-break drawn from the request (so ties
+spread out, and every balancer process breaks them alike), and the reason the
+winner won. docs/architecture.md shows how to add a policy.
 """
 
 from __future__ import annotations

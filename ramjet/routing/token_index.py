@@ -15,6 +15,7 @@ saves most of a prefill, not all of it (the caller prices it).
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import reduce
 from itertools import repeat
@@ -26,6 +27,7 @@ GPU = "GPU"
 HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
 _FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
 RUN = 32  # blocks a walk tries to skip at once
+REMOVALS_KEPT = 200_000  # per replica: the last evictions, for checking predictions made before them
 _ZEROS = repeat(0)
 
 
@@ -75,6 +77,10 @@ class TokenIndex:
         self._pending_until: list[dict[int, float]] = [{} for _ in range(replicas)]
         self._inflight: dict[int, int] = {}  # our hash -> bitmask: a request sent there is computing it
         self._inflight_refs: list[dict[int, int]] = [{} for _ in range(replicas)]
+        # Evictions, marked by a counter rather than a clock: which blocks left each replica's GPU after mark m
+        self.removals = 0
+        self._gone: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(replicas)]  # our hash -> mark
+        self._cleared_at = [0] * replicas
 
     def size(self, replica: int) -> int:
         """Blocks the replica holds (any tier)."""
@@ -139,8 +145,16 @@ class TokenIndex:
             if h not in self._media[replica]:
                 del ours[theirs]
 
+    def removed_since(self, replica: int, hashes: list[int], mark: int) -> bool:
+        """Did any of these blocks leave the replica's GPU (or its whole cache) after `removals` was `mark`?"""
+        gone = self._gone[replica]
+        return self._cleared_at[replica] > mark or any(gone.get(h, -1) > mark for h in hashes)
+
     def clear(self, replica: int) -> None:
         """AllBlocksCleared, a restart, or a stream we no longer trust: the replica holds nothing we know of."""
+        self.removals += 1
+        self._cleared_at[replica] = self.removals
+        self._gone[replica].clear()
         bit = 1 << replica
         for h in self._media[replica]:
             for table in (self._gpu, self._host):
@@ -315,6 +329,13 @@ class TokenIndex:
         self._count[replica][medium] -= 1
         if not media:
             del self._media[replica][h]
+        if medium == GPU:
+            self.removals += 1
+            gone = self._gone[replica]
+            gone[h] = self.removals
+            gone.move_to_end(h)
+            if len(gone) > REMOVALS_KEPT:
+                gone.popitem(last=False)
         if medium == GPU or medium in HOST_MEDIA and not (media & HOST_MEDIA):
             table = self._gpu if medium == GPU else self._host
             left = table.get(h, 0) & ~(1 << replica)

@@ -1,4 +1,4 @@
-"""load (RJ_AFFINITY=load): no affinity at all; the least loaded replica wins, ties rotate.
+"""load (RJ_AFFINITY=load): no affinity at all; the least loaded replica wins, ties go by the request's hash.
 
 The baseline that shows what prefix affinity is worth.
 """
