@@ -43,7 +43,7 @@ async def test_swarm_against_simulator_reads_usage_rank_and_ceiling(start_sim, t
 
 
 def test_compare_direct_vs_relative(tmp_path):
-    rows = run_compare(["direct", "relative"], [4], hicache=["off"], duration=200, warmup=60, ramp=20,
+    rows = run_compare(["direct", "relative"], [4], hicache=["off"], duration=140, warmup=60, ramp=20,
                        time_scale=50, seed=5, out_dir=str(tmp_path), workload=SMALL, progress=False, plots=True)
     assert [r["placement"] for r in rows] == ["direct", "relative"]
     for r in rows:
