@@ -28,7 +28,6 @@ again later, backing off to `REDISCOVER_MAX_S`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
