@@ -23,6 +23,7 @@ import uvicorn
 from ramjet.balancer.app import BalancerApp
 from ramjet.balancer.build import Balancer, build_balancer
 from ramjet.balancer.topology import build_replicas
+from ramjet.bench.scrape import metric_sum
 from ramjet.config import load_settings
 from ramjet.sim.config import SimConfig
 from ramjet.sim.engine import Engine
@@ -31,18 +32,6 @@ from ramjet.sim.server import build_app
 
 def chat_body(text: str = "hello", **extra) -> dict:
     return {"model": "glm-5.3", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` in a Prometheus text exposition whose labels include `labels`."""
-    total = 0.0
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            head, value = line.rsplit(" ", 1)
-            if all(w in head for w in want):
-                total += float(value)
-    return total
 
 
 @contextlib.asynccontextmanager

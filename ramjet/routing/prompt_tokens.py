@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -119,25 +120,31 @@ class Prompt:
 
 
 class PieceCache:
-    """Token ids of rendered pieces, by content, least recently used first out; bounded in tokens."""
+    """Token ids of rendered pieces, by content, least recently used first out; bounded in tokens.
+
+    Used by the matcher's worker threads at once, so its count and its order change under a lock."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.tokens = 0
         self._pieces: OrderedDict[int, array] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: int) -> array | None:
-        found = self._pieces.get(key)
-        if found is not None:
-            self._pieces.move_to_end(key)
-        return found
+        with self._lock:
+            found = self._pieces.get(key)
+            if found is not None:
+                self._pieces.move_to_end(key)
+            return found
 
     def put(self, key: int, ids: array) -> None:
-        self._pieces[key] = ids
-        self.tokens += len(ids)
-        while self.tokens > self.max_tokens and len(self._pieces) > 1:
-            _, old = self._pieces.popitem(last=False)
-            self.tokens -= len(old)
+        with self._lock:
+            old = self._pieces.get(key)
+            self._pieces[key] = ids
+            self.tokens += len(ids) - (len(old) if old is not None else 0)
+            while self.tokens > self.max_tokens and len(self._pieces) > 1:
+                _, gone = self._pieces.popitem(last=False)
+                self.tokens -= len(gone)
 
 
 class PromptTokenizer:
@@ -183,7 +190,7 @@ class PromptTokenizer:
         """
         if add_special_tokens:
             return array("I", self.tokenizer.encode(text, add_special_tokens=True).ids)
-        return self._pieces(text, array("I"))
+        return self._pieces(text)
 
     def encode_rendered(self, text: str) -> Prompt:
         """A rendered chat prompt's ids, reusing those of the earlier rendering that shares the most of it."""
@@ -195,16 +202,16 @@ class PromptTokenizer:
         if reuse is not None:
             start, tokens = reuse.chars, reuse.tokens
             cuts, cut_tokens = reuse.base.cuts[:reuse.cut + 1], reuse.base.cut_tokens[:reuse.cut + 1]
-        rest = self._pieces(text[start:], array("I"), start, cuts, cut_tokens, tokens)
+        rest = self._pieces(text[start:], start, cuts, cut_tokens, tokens)
         segments = (first_ids(reuse.base.segments, tokens) if reuse is not None else []) + [rest]  # no copy
         rendering = Rendering(text, segments, cuts, cut_tokens, marks)
         self.renderings.add(rendering, reuse)
         return Prompt(segments, rendering, reuse)
 
-    def _pieces(self, text: str, out: array, offset: int = 0, cuts: list[int] | None = None,
+    def _pieces(self, text: str, offset: int = 0, cuts: list[int] | None = None,
                 cut_tokens: list[int] | None = None, before: int = 0) -> array:
-        """Append the ids of `text` to `out`; with `cuts`, note where each special token ends, in characters
-        after `offset` and in tokens after `before` plus those in `out`."""
+        """The ids of `text`, piece by piece; with `cuts`, note where each special token ends, in characters
+        after `offset` and in tokens after `before`."""
         pieces = self._split.split(text) if self._split else [text]
         missing: list[tuple[int, str]] = []
         found: list[array | int] = []
@@ -227,6 +234,7 @@ class PromptTokenizer:
             for key, ids in fresh.items():
                 self.cache.put(key, ids)
             found = [fresh[x] if isinstance(x, int) else x for x in found]
+        out = array("I")
         for ids, (end, special) in zip(found, ends):
             out.extend(ids)
             if special and cuts is not None:
