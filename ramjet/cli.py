@@ -1,4 +1,4 @@
-"""`ramjet serve | demo | sim | bench | validate | fit | check-hicache`.
+"""`ramjet serve | demo | sim | bench | replay | validate | fit | check-hicache`.
 
 Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
 `run(args) -> int`. Only the chosen command's module is imported, so start-up
@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": ("ramjet.demo.cli", "the balancer in front of a simulated 8-rank SGLang engine, on loopback"),
     "sim": ("ramjet.sim.cli", "a simulated SGLang v0.5.20 engine with per-rank prefix caches"),
     "bench": ("ramjet.bench.cli", "agent-swarm load generator and placement comparison"),
+    "replay": ("ramjet.replay.cli", "re-score recorded routing journals under other policies and settings, offline"),
     "validate": ("ramjet.ops.validate", "check a Compose bundle against the measured deployment rules"),
     "fit": ("ramjet.ops.fit", "KV-cache capacity per GPU/rank from a model's config and index"),
     "check-hicache": ("ramjet.ops.check_hicache",

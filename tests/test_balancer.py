@@ -102,8 +102,9 @@ async def test_dp_size_auto_discovers_the_ranks_and_journal_is_content_free(tmp_
         for _ in range(2):
             assert (await s.chat(secret_text)).status_code == 200
     lines = journal.read_text().splitlines()
-    assert len(lines) == 2 and "PROMPT-TEXT" not in journal.read_text()
-    first, second = (orjson.loads(line) for line in lines)
+    assert len(lines) == 3 and "PROMPT-TEXT" not in journal.read_text()
+    header, first, second = (orjson.loads(line) for line in lines)
+    assert header["journal"] == 1 and header["replicas"] == 4 and header["policy"] == "relative"
     assert second["choice"] == first["choice"] and max(second["overlaps"]) == second["blocks"]
     assert second["usage"]["prompt_tokens"] > 0 and second["status"] == 200 and second["ttfb_ms"] > 0
     assert second["policy"] == "relative" and second["outcome"] == "ok"

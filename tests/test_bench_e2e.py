@@ -13,7 +13,7 @@ import pytest
 import ramjet.balancer.serve  # noqa: F401 - an import error in the balancer fails these tests, never skips them
 import ramjet.sim.cli  # noqa: F401
 from ramjet.bench.compare import CompareConfig, format_table, run_compare
-from ramjet.bench.report import format_repeats, interval95
+from ramjet.bench.report import format_repeats, interval95, welch95
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -90,18 +90,55 @@ def test_event_port_ranges_never_overlap():
     assert len(bases) == 10 and all(b - a >= 8 for a, b in zip(bases, bases[1:]))
 
 
-def test_repeats_pair_placements_and_report_the_spread():
-    cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4)
+def test_paired_repeats_share_a_seed_and_report_paired_differences():
+    cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4, paired=True)
     cells = cfg.cells()
     assert [(c["placement"], c["repeat"], c["seed"]) for c in cells[:4]] == [
         ("relative", 0, 4), ("precise", 0, 4), ("relative", 1, 5), ("precise", 1, 5)]
     rows = [{**c, "turns_per_min": 60.0 + i, "cache_ratio": 0.9 + 0.01 * (c["placement"] == "precise"),
              "ttft_p50": 0.5, "ttft_p90": 1.0, "stickiness": 0.99} for i, c in enumerate(cells)]
     text = format_repeats(rows)
-    assert "| relative | 16 | off | 1 | 3 | 90.0% (90.0%..90.0%) | 62.0 (60.0..64.0) |" in text
+    # mean ±95% (t(2) = 4.303 x sd 2 / sqrt 3 = 4.97) (min..max)
+    assert "| relative | 16 | off | 1 | 3 | 90.0% ±0.0% (90.0%..90.0%) | 62.0 ±5.0 (60.0..64.0) |" in text
     # the same difference in every pair: an interval of width 0 that excludes zero (*); none for equal TTFTs
     assert "| precise | 16 | off | 1 | 3 | +1.0 ±0.0* (+1.0..+1.0) | +1.0 ±0.0* (+1.0..+1.0) | +0.00 ±0.00 (" in text
     assert text.rstrip().endswith("| 3/3/0 of 3 |")  # turns/min and cache better in every pair, TTFT p50 tied
+
+
+def test_unpaired_repeats_draw_a_seed_per_run_and_report_welchs_interval():
+    cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4)
+    cells = cfg.cells()
+    assert [(c["placement"], c["seed"]) for c in cells] == [
+        ("relative", 4), ("precise", 5), ("relative", 6), ("precise", 7), ("relative", 8), ("precise", 9)]
+    rows = [{**c, "turns_per_min": 60.0 + i, "cache_ratio": 0.9 + 0.01 * (c["placement"] == "precise"),
+             "ttft_p50": 0.5, "ttft_p90": 1.0, "stickiness": 0.99} for i, c in enumerate(cells)]
+    text = format_repeats(rows)
+    assert "Welch" in text
+    # turns/min 60,62,64 against 61,63,65: +1.0, and the runs' spread (sd 2 each, df 4: 2.776 x 1.63) hides it
+    assert "| precise | 16 | off | 1 | 3 | +1.0 ±0.0* | +1.0 ±4.5 | +0.00 ±0.00 |" in text
+    assert welch95([60.0, 62.0, 64.0], [61.0, 63.0, 65.0]) == pytest.approx(2.776 * (8 / 3) ** 0.5)
+
+
+def test_a_placement_may_carry_settings_of_its_own():
+    from ramjet.bench.compare import _balancer_env, split_placement
+    spec = "relative:RJ_ROUTE_NEW_SESSIONS=affinity:RJ_ROUTE_ALPHA=4"
+    assert split_placement(spec) == ("relative", {"RJ_ROUTE_NEW_SESSIONS": "affinity", "RJ_ROUTE_ALPHA": "4"})
+    cfg = CompareConfig(placements=["relative", spec], developers=[16], balancer_env={"RJ_ROUTE_ALPHA": "3"})
+    env = _balancer_env(cfg, spec, "off", ["http://127.0.0.1:1"])
+    assert env["RJ_ROUTE_AFFINITY_BASIS"] == "relative" and env["RJ_ROUTE_ALPHA"] == "4"  # its own beat the common
+    assert _balancer_env(cfg, "relative", "off", ["http://127.0.0.1:1"])["RJ_ROUTE_ALPHA"] == "3"
+    for bad in ("relative:ALPHA=4", "relative:RJ_ROUTE_ALPHA", "sglang-router:RJ_ROUTE_ALPHA=4", "nope:RJ_X=1"):
+        with pytest.raises(ValueError):
+            CompareConfig(placements=[bad], developers=[16])
+
+
+def test_the_plots_get_the_mean_and_its_interval_over_the_repeats():
+    from ramjet.bench.report import mean_rows
+    rows = [{"placement": "relative", "developers": 16, "hicache": "off", "engines": 1, "turns_per_min": v,
+             "cache_ratio": 0.9} for v in (60.0, 62.0, 64.0)]
+    (row,) = mean_rows(rows)
+    assert row["turns_per_min"] == 62.0 and row["turns_per_min_ci"] == pytest.approx(interval95([60.0, 62.0, 64.0]))
+    assert row["cache_ratio_ci"] == 0.0 and row["ttft_p50"] is None and row["ttft_p50_ci"] is None
 
 
 def test_the_95_percent_interval_is_students():
@@ -158,7 +195,9 @@ def test_cli_parses_bench_subcommands():
     assert a.placements == ["direct", "relative"] and a.developers == [16, 64] and a.hicache == ["off", "on"]
     assert a.time_scale == 20.0 and cli._workload(a).tool_result_tokens == 1000 and a.repeats == 1
     a = p.parse_args(["compare", "--placements", "relative,precise", "--repeats", "3"])
-    assert a.placements == ["relative", "precise"] and a.repeats == 3
+    assert a.placements == ["relative", "precise"] and a.repeats == 3 and not a.paired and not a.journal
+    a = p.parse_args(["compare", "--repeat", "5", "--paired", "--journal"])
+    assert a.repeats == 5 and a.paired and a.journal
     a = p.parse_args(["swarm", "http://h:1", "http://h:2", "--developers", "3", "--sim-url", "http://s:1,http://s:2"])
     assert a.url == ["http://h:1", "http://h:2"] and a.time_scale == 1.0 and a.developers == 3
     assert cli._workload(a).fast_start is True

@@ -140,6 +140,9 @@ def test_size_distributions_within_bounds():
     results = [lognormal_mean(rng, 1500, 0.8) for _ in range(20000)]
     assert 1400 < statistics.mean(results) < 1600
 
+    equal = [h.tokens for h in World(cfg, seed=1, text=TextSource("s")).harnesses]
+    assert max(equal) - min(equal) <= 0.02 * cfg.harness_tokens  # the default: three harnesses of 18K, as measured
+    cfg = WorkloadConfig(mean_turns=30, harness_spread=0.3)
     world = World(cfg, seed=1, text=TextSource("s"))
     sizes = [h.tokens for h in world.harnesses]
     assert sizes == sorted(sizes)

@@ -1,6 +1,7 @@
 """RJ_* settings: defaults, one message naming every problem, secrets never shown."""
 
 import re
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,11 @@ def test_defaults():
     assert s.upstreams == ["http://127.0.0.1:30000"]
     assert s.upstream_dp_ranks is None and s.upstream_dp_size is None and s.topology_file is None
     assert s.upstream_token is None and s.api_keys == []
-    assert (s.affinity, s.route_affinity_basis, s.route_alpha) == ("prefix", "relative", 4.0)
+    assert (s.affinity, s.route_affinity_basis, s.route_alpha) == ("prefix", "relative", 2.0)
+    assert s.route_new_sessions == "auto" and s.balance_new_sessions  # balanced with the approximate index
+    precise = {**UP, "RJ_KV_EVENTS": "zmq", "RJ_TOKENIZER": str(files("ramjet.sim") / "tokenizer")}
+    assert not load_settings(precise).balance_new_sessions  # ... not in precise mode: balancers must decide alike
+    assert load_settings({**precise, "RJ_ROUTE_NEW_SESSIONS": "balance"}).balance_new_sessions
     assert (s.route_chunk_bytes, s.route_max_prefix_bytes) == (2048, 2 * 1024 * 1024)
     assert (s.route_max_overlap_blocks, s.route_index_capacity, s.route_kv_capacity_tokens) == (32, 100_000, None)
     assert (s.route_load_unit_bytes, s.route_max_load_units, s.route_max_attempts) == (32768, 8, 3)
@@ -75,7 +80,7 @@ def test_values_parsed():
 
 def test_empty_value_means_unset():
     s = load_settings({**UP, "RJ_ROUTE_ALPHA": "", "RJ_METRICS_ADDR": " ", "RJ_UPSTREAM_DP_SIZE": ""})
-    assert (s.route_alpha, s.metrics_addr, s.upstream_dp_size) == (4.0, None, None)
+    assert (s.route_alpha, s.metrics_addr, s.upstream_dp_size) == (2.0, None, None)
 
 
 def test_affinity_basis_from_the_policy_registry():
@@ -223,7 +228,7 @@ def test_no_dotenv_and_environ_isolated(tmp_path, monkeypatch):
     (tmp_path / ".env").write_text("RJ_ROUTE_ALPHA=9\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RJ_ROUTE_ALPHA", "7")
-    assert load_settings(UP).route_alpha == 4.0  # neither .env nor os.environ when a mapping is given
+    assert load_settings(UP).route_alpha == 2.0  # neither .env nor os.environ when a mapping is given
     monkeypatch.setenv("RJ_UPSTREAM", "http://x:1")
     assert load_settings().route_alpha == 7.0
 

@@ -8,7 +8,12 @@ tie-break rotation, the replica that answered (recorded in the index and the
 demand) and occasional engine restarts. Replaying them through the Router must
 give the same overlaps, new-session verdicts, orders, scores, credits, reasons
 and load units, bit for bit, except the order of tied replicas: the tie-break is
-now a hash of the request rather than a rotation (issue 14: several balancers).
+now a hash of the request rather than a rotation (issue 14: several balancers);
+and except where the recording placed a request as a new conversation that the
+router now keeps with its conversation (issue 15: it remembers answered
+conversations beyond the index's end marks, and while the caches evict live
+conversations it places new ones by the policy). The router's state follows the
+recorded answers, not its own choices, so every other step still matches exactly.
 """
 
 from __future__ import annotations
@@ -39,20 +44,31 @@ def _router(s: dict) -> Router:
                               f"-{s['settings']['seed']}" for s in CORPUS["scenarios"]])
 def test_replayed_rankings_are_identical(scenario):
     router = _router(scenario["settings"])
+    compared = kept = 0
     for k, step in enumerate(scenario["steps"]):
         decision = router.decide(step["route"], step["body"], step["loads"], step["serving"])
         expect = step["expect"]
-        got = {"overlaps": decision.overlaps, "new_session": decision.new_session,
-               "order": decision.ranking.order, "scores": decision.ranking.scores,
-               "credits": decision.ranking.credits, "reason": decision.ranking.reason,
-               "units": [decision.units(i, router.params) for i in range(len(step["loads"]))]}
-        tied = _tied(step["serving"], expect["scores"], expect["overlaps"] if scenario["settings"]["affinity"] else None)
-        assert [tied(i) for i in got.pop("order")] == [tied(i) for i in expect.pop("order")], f"step {k}"
-        assert got == expect, f"step {k}"
+        if expect["new_session"] and not decision.new_session:
+            kept += 1
+        else:
+            compared += 1
+            _same(decision, expect, router, step, scenario, k)
         if "answered" in step:
             router.answered(step["answered"], decision)
         if "engine_restarted" in step:
             router.forget(step["engine_restarted"])
+    assert compared >= 3 * kept, (compared, kept)  # the exception stays an exception
+
+
+def _same(decision, expect: dict, router: Router, step: dict, scenario: dict, k: int) -> None:
+    got = {"overlaps": decision.overlaps, "new_session": decision.new_session,
+           "order": decision.ranking.order, "scores": decision.ranking.scores,
+           "credits": decision.ranking.credits, "reason": decision.ranking.reason,
+           "units": [decision.units(i, router.params) for i in range(len(step["loads"]))]}
+    expect = dict(expect)
+    tied = _tied(step["serving"], expect["scores"], expect["overlaps"] if scenario["settings"]["affinity"] else None)
+    assert [tied(i) for i in got.pop("order")] == [tied(i) for i in expect.pop("order")], f"step {k}"
+    assert got == expect, f"step {k}"
 
 
 def _tied(serving: list[bool], scores: list[float], overlaps: list[int] | None):

@@ -169,6 +169,53 @@ def test_a_new_session_pays_only_prefill_for_a_shared_harness_and_goes_where_few
     assert ranked(harness, [0.5] * 8, serving, "new_sessions", shares=shares, **params).order[0] == 2
 
 
+def _turns(router: Router, session: int, turns: int, replica: int) -> None:
+    """`turns` answered turns of one conversation on `replica`, each re-sending the last and appending."""
+    msgs = [{"role": "system", "content": "harness " * 400}, {"role": "user", "content": f"task {session} " * 40}]
+    for t in range(turns):
+        msgs = msgs + [{"role": "assistant", "content": f"s{session} answer {t} " * 20},
+                       {"role": "user", "content": f"s{session} tool result {t} " * 60}]
+        router.answered(replica, router.decide("chat", chat(msgs), [0.0] * len(router.index), [True] * 2))
+
+
+def _next_turn(session: int, turns: int) -> dict:
+    msgs = [{"role": "system", "content": "harness " * 400}, {"role": "user", "content": f"task {session} " * 40}]
+    for t in range(turns + 1):
+        msgs = msgs + [{"role": "assistant", "content": f"s{session} answer {t} " * 20},
+                       {"role": "user", "content": f"s{session} tool result {t} " * 60}]
+    return chat(msgs)
+
+
+def test_a_conversation_whose_end_the_index_lost_is_still_no_new_session():
+    """The index's LRU drops a conversation's last blocks first; the router's memory of answered chains keeps it."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [40, 40], 1 << 20, balance_new_sessions=True)
+    _turns(router, 1, 3, replica=0)
+    assert not router.decide("chat", _next_turn(1, 3), [0, 0], [True, True]).new_session
+    router.index.record(0, [h + 1 for h in range(40)])  # other traffic evicts the conversation's tail from the index
+    d = router.decide("chat", _next_turn(1, 3), [0, 0], [True, True])
+    assert not router.index.continues(d.fingerprint.blocks, d.overlaps)  # the index alone would call it new
+    assert not d.new_session
+    other = router.decide("chat", _next_turn(2, 0), [0, 0], [True, True])  # a new task on the same harness
+    assert other.new_session
+
+
+def test_while_caches_cut_live_conversations_new_ones_go_where_their_prefix_is():
+    """Oversubscribed caches (continuing turns find their own history gone): new sessions are placed by the policy."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)
+    _turns(router, 1, 2, replica=0)
+    assert router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
+    for _ in range(10):  # a continuing turn arrives and no replica holds its conversation whole any more
+        router.forget(0)
+        router.decide("chat", _next_turn(1, 2), [0, 0], [True, True])
+    assert router.pressure.high()
+    assert not router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
+    for _ in range(200):  # the caches keep up again: conversations find their history
+        _turns(router, 1, 1, replica=0)
+        router.decide("chat", _next_turn(1, 0), [0, 0], [True, True])
+    assert not router.pressure.high()
+    assert router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
+
+
 def test_demand_share_counts_recent_answered_prompt_bytes():
     demand = Demand(4)
     for _ in range(30):

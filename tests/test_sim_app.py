@@ -118,7 +118,8 @@ async def test_info_routes():
         for path in ("/get_server_info", "/server_info"):
             info = (await c.get(path)).json()
             assert info["dp_size"] == 4 and info["version"] == "0.5.20" and info["model_path"] == "glm-test"
-            assert info["max_running_requests"] == 64 and info["chunked_prefill_size"] == 32768
+            # SGLang reports the chunk it uses: --chunked-prefill-size divided among the DP ranks
+            assert info["max_running_requests"] == 64 and info["chunked_prefill_size"] == 32768 // 4
         for path in ("/get_model_info", "/model_info"):
             assert (await c.get(path)).json()["is_generation"] is True
         assert (await c.get("/v1/models")).json()["data"][0]["id"] == "glm-test"

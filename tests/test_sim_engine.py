@@ -16,7 +16,7 @@ from array import array
 import pytest
 
 from ramjet.sim.config import SLOW_FACTOR, SimConfig
-from ramjet.sim.engine import DECODE_TICK_S, Engine
+from ramjet.sim.engine import DECODE_TICK_S, Engine, rank_chunk_tokens
 from ramjet.sim.tokens import make_prompt
 
 BOUND_S = 30.0  # simulated seconds a wait may take before the test is declared hung
@@ -57,6 +57,7 @@ def on_sim_clock(test):
 
 @contextlib.asynccontextmanager
 async def running_engine(**settings):
+    settings.setdefault("decode_context_tokens", 0)  # a constant decode speed, unless a test asks for the slowdown
     engine = Engine(SimConfig(**settings))
     engine.start()
     try:
@@ -111,7 +112,7 @@ async def test_prefill_and_decode_follow_the_rates_and_time_scale():
     async with running_engine(time_scale=10.0, prefill_tokens_per_s=6500, decode_tokens_per_s=32) as e:
         req, took = await timed(finish(e.submit(prompt(6500), 33, 0)))
         assert req.state == "done" and req.generated == 33
-        assert 0.2 <= took <= 0.2 + TICK_SLACK_S, took  # never sooner than the model, and no slower
+        assert 0.2 - 1e-9 <= took <= 0.2 + TICK_SLACK_S, took  # never sooner than the model (2 chunks), no slower
         again, took = await timed(finish(e.submit(prompt(6500), 1, 0)))
         assert again.cached_tokens == 6464
         assert took == pytest.approx((6500 - 6464) / 6500 / 10), took  # a cached prompt costs only its last page
@@ -191,23 +192,47 @@ async def test_host_tier_reload_is_counted_as_cached_and_costs_reload_time():
         assert cold.cached_tokens < 10_000
 
 
+def test_a_ranks_prefill_chunk_is_sglangs_chunk_divided_among_the_dp_ranks():
+    """SGLang with DP attention divides --chunked-prefill-size by dp_size."""
+    assert rank_chunk_tokens(SimConfig(dp_size=8, chunked_prefill=32768)) == 4096
+    assert rank_chunk_tokens(SimConfig(dp_size=8, chunked_prefill=100, page_tokens=64)) == 64  # never below a page
+
+
 @on_sim_clock
-async def test_a_prefill_on_one_rank_pauses_decode_everywhere():
-    """DP ranks share each forward pass: while rank 1 prefills, decode on rank 0 makes no progress."""
+async def test_decode_slows_with_the_context_a_rank_is_decoding():
+    """A decode step reads every running request's KV: twice the context per rank, a slower step for each."""
+    async with running_engine(time_scale=10.0, decode_tokens_per_s=100, decode_context_tokens=20_000) as e:
+        rank = e.ranks[0]
+        one = e.submit(prompt(20_000, 1), 10_000, 0)
+        await until(lambda: one.generated > 1, "the first request decoding")
+        assert rank.decode_rate() == pytest.approx(100 / (1 + (20_000 + one.generated) / 20_000), rel=0.01)
+        two = e.submit(prompt(20_000, 2), 10_000, 0)
+        await until(lambda: two.generated > 1, "the second request decoding")
+        assert rank.decode_rate() == pytest.approx(100 / 3, rel=0.01)  # 40K of context: a third of full speed
+        assert e.ranks[1].decode_rate() == 100  # nothing decoding there
+        e.abort(one)
+        e.abort(two)
+
+
+@on_sim_clock
+async def test_a_prefill_on_one_rank_slows_decode_everywhere_to_one_step_per_pass():
+    """DP ranks share each forward pass: while rank 1 prefills, rank 0 decodes one step per (chunk-long) pass."""
     async with running_engine(time_scale=10.0, decode_tokens_per_s=100) as e:
         loop = asyncio.get_running_loop()
         rate = 100 * 10.0  # decoded tokens per simulated second
         per_tick = DECODE_TICK_S * rate  # decode is delivered at most one tick late
+        share = e.config.prefill_decode_share
         talker = e.submit(prompt(10, 1), 100_000, 0)
         await until(lambda: talker.generated > 50, "the talker decoding")
-        big = e.submit(prompt(6500, 2), 1, 1)  # 1 s engine = 0.1 s simulated of prefill on rank 1
+        big = e.submit(prompt(26_000, 2), 1, 1)  # 4 s engine = 0.4 s simulated of prefill on rank 1, 7 chunks
         await until(lambda: big.state == "prefill", "rank 1 starting its prefill")
-        clock_before, before = e.decode_clock(), talker.generated
+        start, clock_before, before = loop.time(), e.decode_clock(), talker.generated
         await finish(big)
-        clock_after, during = e.decode_clock(), talker.generated - before
-        # the engine's decode clock stood still through the whole prefill
-        assert clock_after == pytest.approx(clock_before, abs=1e-9)
-        assert during <= per_tick + 1, during  # at most the tick already under way (100 without the pause)
+        took, clock, during = loop.time() - start, e.decode_clock() - clock_before, talker.generated - before
+        assert took == pytest.approx(26_000 / 6500 / 10, rel=0.01)
+        # the engine's decode clock ran at the share of full speed through the whole prefill
+        assert clock == pytest.approx(share * took, abs=1e-9)
+        assert during <= share * took * rate + per_tick + 1, during  # 6 tokens, where 400 would be full speed
         resumed = loop.time()
         await until(lambda: talker.generated >= before + during + 60, "the talker decoding after the prefill")
         assert loop.time() - resumed <= (60 + per_tick + 1) / rate  # back at full speed at once

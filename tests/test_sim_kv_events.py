@@ -350,7 +350,7 @@ async def test_load_publisher_pushes_loadstat_per_rank(zctx):
     sub.connect(f"tcp://127.0.0.1:{base + 4}")
     sub.subscribe(b"load")
     async with publishing("sglang", base, load_publish_endpoint="auto", kv_tokens_per_rank=4096,
-                          time_scale=50.0) as (c, _):
+                          time_scale=50.0, decode_tokens_per_s=32.0) as (c, _):  # decoding for seconds
         busy = asyncio.create_task(c.post("/v1/chat/completions", json=chat(
             filler(50, 40), max_tokens=100_000, ignore_eos=True, routed_dp_rank=0)))
         try:

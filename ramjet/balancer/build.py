@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ramjet.balancer.engine_load import EngineLoad, EngineReader
 from ramjet.balancer.fleet import Fleet
 from ramjet.balancer.forward import Forwarder, ForwardSettings
-from ramjet.balancer.journal import Journal
+from ramjet.balancer.journal import Journal, routing_header
 from ramjet.balancer.matcher import Matcher, load_tokenizer
 from ramjet.balancer.memory import Memory
 from ramjet.balancer.metrics import Metrics
@@ -104,13 +104,13 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     params = Params(cap_blocks=s.route_max_overlap_blocks, alpha=s.route_alpha, chunk_bytes=s.route_chunk_bytes,
                     load_unit_bytes=s.route_load_unit_bytes, max_load_units=s.route_max_load_units)
     router = Router(s.policy_name, params, [s.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
-                    s.route_max_prefix_bytes, balance_new_sessions=s.route_new_sessions == "balance")
+                    s.route_max_prefix_bytes, balance_new_sessions=s.balance_new_sessions)
     fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
                   s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
     upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.pool_idle_timeout_s, token)
     target = s.journal_target
-    journal = Journal(target) if target else None
+    journal = Journal(target, routing_header(router, s, replicas)) if target else None
     recorder = Recorder(metrics, replicas, journal)
     precise = None
     if s.kv_events == "zmq":

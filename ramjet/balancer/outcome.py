@@ -102,19 +102,25 @@ class Recorder:
             u = o.usage
             m.observe_usage(self.replica_metrics[o.replica], u.prompt_tokens, u.cached_tokens, u.completion_tokens)
 
-    @staticmethod
-    def _journal_record(o: Outcome, duration: float) -> dict:
+    def _journal_record(self, o: Outcome, duration: float) -> dict:
+        """One journal line (docs/replay.md): counts, the chain of block hashes and block sizes, the
+        conversation key and tie-break key, loads, choice, timings and usage; never prompt text."""
         d = o.decision
-        record = {"ts": round(o.ts, 3), "id": o.request_id, "route": o.route, "blocks": len(d.fingerprint.blocks),
-                  "prompt_bytes": d.fingerprint.prompt_bytes, "overlaps": d.overlaps, "scores": d.ranking.scores,
+        fp = d.fingerprint
+        record = {"ts": round(o.ts, 6), "id": o.request_id, "route": o.route, "blocks": len(fp.blocks),
+                  "prompt_bytes": fp.prompt_bytes, "chain": [f"{h:016x}" for h in fp.blocks],
+                  "sizes": [b - a for a, b in zip([0, *fp.ends], fp.ends)],
+                  "session": f"{self.journal.sessions.key(fp.blocks):016x}",
+                  "tiebreak": f"{fp.blocks[-1] if fp.blocks else 0:016x}",
+                  "overlaps": d.overlaps, "scores": d.ranking.scores,
                   "loads": o.loads, "serving": o.routable, "reason": d.ranking.reason, "policy": d.policy,
                   "precise": [s is not None for s in o.match.shares] if o.match else None,
                   "attempts": o.attempts}
         if o.replica is not None:
             record["choice"] = o.replica
         record.update(outcome=o.result, status=o.status,
-                      ttfb_ms=round(o.ttfb * 1000, 1) if o.ttfb is not None else None,
-                      duration_ms=round(duration * 1000, 1),
+                      ttfb_ms=round(o.ttfb * 1000, 3) if o.ttfb is not None else None,
+                      duration_ms=round(duration * 1000, 3),
                       usage=o.usage.as_dict() if o.usage else None)
         return record
 

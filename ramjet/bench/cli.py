@@ -115,9 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-kv-hint", action="store_true",
                    help="do not tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    c.add_argument("--repeats", type=int, default=1,
-                   help="run every cell N times, seeds SEED..SEED+N-1, a repeat's placements back to back; "
-                        "summary.md adds the mean (min..max) and the paired differences from the first placement (1)")
+    c.add_argument("--repeat", "--repeats", dest="repeats", type=int, default=1, metavar="N",
+                   help="run every cell N times, a repeat's placements back to back; summary.md adds each cell's "
+                        "mean ±95%% interval and every placement's difference from the first one listed (1)")
+    c.add_argument("--paired", action="store_true",
+                   help="with --repeat: a repeat's placements share its seed (SEED..SEED+N-1), and the "
+                        "differences are paired, run by run (default: every run its own seed)")
+    c.add_argument("--journal", action="store_true",
+                   help="ramjet cells write their routing journal to DIR/journals/CELL.jsonl (for `ramjet replay`)")
     _common(c, defaults, 20.0)
 
 
@@ -159,7 +164,8 @@ def _run_compare(args) -> int:
             seed=args.seed, salt_prefix=args.salt_prefix, out_dir=args.out,
             kv_tokens_per_rank=args.kv_tokens_per_rank, hicache_tokens_per_rank=args.hicache_tokens_per_rank,
             model=args.model, workload=_workload(args), request_timeout=args.request_timeout, balancer_env=env,
-            kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats)
+            kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats,
+            paired=args.paired, journal=args.journal)
     except ValueError as e:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2

@@ -21,9 +21,19 @@ Placements:
                  replicas were routed on their events and how often the predictions agreed.
   sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
 
-With --repeats N every cell runs N times, seeds SEED..SEED+N-1, the placements of one repeat back to
-back; summary.md then adds each cell's mean (min..max) and every placement's paired difference from
-the first placement listed.
+A ramjet placement may carry settings of its own after colons, e.g.
+`relative:RJ_ROUTE_NEW_SESSIONS=affinity:RJ_ROUTE_ALPHA=2`, so one comparison can pit settings
+against each other (they apply after --balancer-env).
+
+With --repeat N every cell runs N times, the placements of one repeat back to back (interleaved, so a
+slow spell of the machine hits them alike), each run with a seed of its own; summary.md then adds each
+cell's mean ±95% interval (min..max) and every placement's difference from the first placement listed,
+with its 95% interval (Welch). With --paired the placements of one repeat share its seed
+(SEED..SEED+N-1): the same team, the same tasks, so the difference is taken run by run (paired), and
+noise shared by both runs cancels.
+
+With --journal every ramjet cell writes its routing journal (RJ_ROUTE_JOURNAL) to
+DIR/journals/CELL.jsonl, for `ramjet replay`.
 
 Which replica served a request: `X-Ramjet-Upstream` (the balancer's ordinal, engine x 8 +
 rank), else the simulator's `X-Sim-Dp-Rank` (which the SGLang router passes through). With
@@ -87,12 +97,16 @@ class CompareConfig:
     sim_args: list[str] = field(default_factory=list)
     progress: bool = True
     plots: bool = True
-    repeats: int = 1                # every cell this many times, seeds seed..seed+repeats-1
+    repeats: int = 1                # every cell this many times
+    paired: bool = False            # the placements of one repeat share its seed (else every run has its own)
+    journal: bool = False           # ramjet cells write DIR/journals/CELL.jsonl
 
     def __post_init__(self):
-        bad = [p for p in self.placements if p not in PLACEMENTS]
+        bad = [p for p in self.placements if split_placement(p)[0] not in PLACEMENTS]
         if bad:
             raise ValueError(f"unknown placement(s) {', '.join(bad)}; choose from {', '.join(PLACEMENTS)}")
+        for p in self.placements:
+            split_placement(p)  # raises on a malformed setting
         if not self.placements or not self.developers:
             raise ValueError("need at least one placement and one team size")
         for h in self.hicache:
@@ -105,13 +119,29 @@ class CompareConfig:
 
     def cells(self) -> list[dict]:
         out = []
+        n = len(self.placements)
         for h in self.hicache:
             for d in self.developers:
-                for r in range(self.repeats):  # a repeat's placements back to back: paired in time
-                    for p in self.placements:
+                for r in range(self.repeats):  # a repeat's placements back to back: interleaved in time
+                    for i, p in enumerate(self.placements):
                         cell = {"placement": p, "developers": d, "hicache": h, "engines": self.engines}
-                        out.append(cell if self.repeats == 1 else {**cell, "repeat": r, "seed": self.seed + r})
+                        if self.repeats > 1:
+                            seed = self.seed + r if self.paired else self.seed + r * n + i
+                            cell = {**cell, "repeat": r, "seed": seed, "paired": self.paired}
+                        out.append(cell)
         return out
+
+
+def split_placement(spec: str) -> tuple[str, dict[str, str]]:
+    """`NAME[:RJ_KEY=VALUE...]` -> (NAME, settings); settings only on ramjet's own placements."""
+    name, *items = spec.split(":")
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("RJ_") or name in ("direct", "sglang-router"):
+            raise ValueError(f"placement {spec!r}: settings are RJ_NAME=VALUE after a ramjet placement's name")
+        env[key] = value
+    return name, env
 
 
 def _start_router(urls: list[str], logs: Path, name: str, model: str) -> tuple[str, procs.ManagedProcess]:
@@ -128,7 +158,8 @@ def _sim_args(cfg: CompareConfig, hicache: str) -> list[str]:
 
 
 def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: list[str],
-                  events: list[precise.EventPorts] = ()) -> dict[str, str]:
+                  events: list[precise.EventPorts] = (), journal: Path | None = None) -> dict[str, str]:
+    placement, own = split_placement(placement)
     env = {"RJ_UPSTREAM": ",".join(sim_urls), "RJ_UPSTREAM_DP_SIZE": str(DP_SIZE),
            "RJ_HEALTH_INTERVAL_MS": "1000", "RJ_LOG_LEVEL": "warning"}
     if placement == "load":
@@ -141,6 +172,9 @@ def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: li
         hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
         env["RJ_ROUTE_KV_CAPACITY_TOKENS"] = str(cfg.kv_tokens_per_rank + hc)
     env.update(cfg.balancer_env)
+    env.update(own)
+    if journal is not None:
+        env["RJ_ROUTE_JOURNAL"] = str(journal)
     return env
 
 
@@ -153,9 +187,9 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
     name = cell_name(cell)
     salt = f"{cfg.salt_prefix}-{index}"
     started: list[procs.ManagedProcess] = []
-    row = {"seed": cfg.seed, **cell, "salt": salt, "time_scale": cfg.time_scale, "duration_s": cfg.duration,
-           "warmup_s": cfg.warmup, "error": None}
-    placement, replicas = cell["placement"], DP_SIZE * cell["engines"]
+    row = {"seed": cfg.seed, "paired": True, **cell, "salt": salt, "time_scale": cfg.time_scale,
+           "duration_s": cfg.duration, "warmup_s": cfg.warmup, "error": None}
+    placement, replicas = split_placement(cell["placement"])[0], DP_SIZE * cell["engines"]
     t0 = time.monotonic()
     try:
         sim_urls = []
@@ -174,7 +208,12 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
             urls = [url]
         else:
             port = procs.free_port()
-            env = _balancer_env(cfg, placement, cell["hicache"], sim_urls, events)
+            journal = None
+            if cfg.journal:
+                (out / "journals").mkdir(exist_ok=True)
+                journal = (out / "journals" / f"{name}.jsonl").resolve()
+                journal.unlink(missing_ok=True)  # the journal appends: a rerun of the cell starts afresh
+            env = _balancer_env(cfg, cell["placement"], cell["hicache"], sim_urls, events, journal)
             started.append(procs.start_balancer(port, env, log_path=logs / f"{name}-balancer.log", timeout=60.0))
             urls = [f"http://127.0.0.1:{port}"]
         at_start = precise.wait_precise(urls[0], replicas) if events else None
@@ -271,7 +310,8 @@ def run_compare(placements, developers, hicache=("off",), engines: int = 1, dura
                 hicache_tokens_per_rank: int = DEFAULT_HICACHE_TOKENS_PER_RANK, model: str = "glm-5.3",
                 workload: WorkloadConfig | None = None, ramp: float | None = None, request_timeout: float = 600.0,
                 balancer_env: dict[str, str] | None = None, kv_hint: bool = True, sim_args=(),
-                progress: bool = True, plots: bool = True, repeats: int = 1) -> list[dict]:
+                progress: bool = True, plots: bool = True, repeats: int = 1, paired: bool = False,
+                journal: bool = False) -> list[dict]:
     """Run every cell (hicache x developers x placements) and write DIR/summary.md, summary.json, PNGs, logs/."""
     cfg = CompareConfig(placements=list(placements), developers=[int(d) for d in developers],
                         hicache=list(hicache), engines=engines, duration=duration, warmup=warmup, ramp=ramp,
@@ -279,7 +319,7 @@ def run_compare(placements, developers, hicache=("off",), engines: int = 1, dura
                         kv_tokens_per_rank=kv_tokens_per_rank, hicache_tokens_per_rank=hicache_tokens_per_rank,
                         model=model, workload=workload or WorkloadConfig(), request_timeout=request_timeout,
                         balancer_env=dict(balancer_env or {}), kv_hint=kv_hint, sim_args=list(sim_args),
-                        progress=progress, plots=plots, repeats=repeats)
+                        progress=progress, plots=plots, repeats=repeats, paired=paired, journal=journal)
     return run_compare_config(cfg)
 
 

@@ -1,7 +1,8 @@
 """PNG plots of a comparison: grouped bars by team size, one bar per placement.
 
 One panel per (HiCache, engines) setting present in the rows; files:
-cache_ratio.png, turns_per_min.png, ttft.png (p50 and p90).
+cache_ratio.png, turns_per_min.png, ttft.png (p50 and p90). Rows that are means
+over repeats carry their 95% interval (`KEY_ci`), drawn as error bars.
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ def _bars(ax, rows: list[dict], key: str, scale: float = 1.0, hatch: str | None 
     width = 0.8 / max(len(places), 1)
     handles = []
     for j, p in enumerate(places):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for i, d in enumerate(devs):
             match = [r for r in rows if r["placement"] == p and r["developers"] == d and r.get(key) is not None]
             if match:
                 xs.append(i - 0.4 + width * (j + 0.5))
                 ys.append(match[-1][key] * scale)
-        color = f"C{PLACEMENT_ORDER.index(p) if p in PLACEMENT_ORDER else j}"
+                errs.append((match[-1].get(f"{key}_ci") or 0.0) * scale)
+        color = f"C{PLACEMENT_ORDER.index(p) if p in PLACEMENT_ORDER else len(PLACEMENT_ORDER) + j}"
         h = ax.bar(xs, ys, width=width * 0.95, label=p, color=color, hatch=hatch, alpha=alpha,
-                   edgecolor="black" if hatch else None, linewidth=0.4)
+                   edgecolor="black" if hatch else None, linewidth=0.4, yerr=errs if any(errs) else None,
+                   error_kw={"elinewidth": 0.8, "capsize": 2})
         handles.append(h)
         if label_values:
             for x, y in zip(xs, ys):

@@ -1,5 +1,6 @@
-"""What `ramjet bench compare` writes: the table, summary.md and summary.json, and with --repeats the
-mean and spread per cell and the paired differences against the first placement listed."""
+"""What `ramjet bench compare` writes: the table, summary.md and summary.json, and with --repeat the
+mean, 95% interval and spread per cell and the differences against the first placement listed (paired
+run by run with --paired, else Welch's)."""
 
 from __future__ import annotations
 
@@ -85,39 +86,55 @@ _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+def _t95(df: float) -> float:
+    df = int(df)  # rounded down: the safe side
+    return _T95[max(df, 1) - 1] if df <= len(_T95) else 1.96
+
+
 def interval95(values: list[float]) -> float:
     """Half-width of the 95% confidence interval of the mean of `values` (Student's t; needs two or more)."""
-    df = len(values) - 1
-    return (_T95[df - 1] if df <= len(_T95) else 1.96) * statistics.stdev(values) / len(values) ** 0.5
+    return _t95(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def _spread(values: list[float], fmt: str, interval: bool = False) -> str:
-    """Mean (min..max); with `interval`, also the 95% half-width, starred when the interval excludes zero."""
+def welch95(a: list[float], b: list[float]) -> float:
+    """Half-width of the 95% interval of mean(b) - mean(a) from two independent samples (Welch's t)."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return 0.0
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return _t95(df) * (va + vb) ** 0.5
+
+
+def _interval(mean: float, half: float, fmt: str, star: bool) -> str:
+    """`mean ±half`, with a * where `star` and the interval excludes zero."""
+    return f"{fmt.format(mean)} ±{fmt.replace('+', '').format(half)}{'*' if star and abs(mean) > half else ''}"
+
+
+def _spread(values: list[float], fmt: str, star: bool = False) -> str:
+    """Mean ±95% half-width (min..max) of `values`."""
     if not values:
         return "-"
     if len(values) == 1:
         return fmt.format(values[0])
-    mean, text = statistics.fmean(values), ""
-    if interval:
-        half = interval95(values)
-        text = f" ±{fmt.replace('+', '').format(half)}{'*' if abs(mean) > half else ''}"
-    return f"{fmt.format(mean)}{text} ({fmt.format(min(values))}..{fmt.format(max(values))})"
+    text = _interval(statistics.fmean(values), interval95(values), fmt, star)
+    return f"{text} ({fmt.format(min(values))}..{fmt.format(max(values))})"
 
 
 def mean_rows(rows: list[dict]) -> list[dict]:
-    """One row per cell (placement x setting): the mean over its repeats, for the plots."""
+    """One row per cell (placement x setting): the mean over its repeats and its 95% interval, for the plots."""
     out = []
     for (p, *setting), group in _groups(_ok(rows), ("placement", *_SETTING)).items():
         row = {"placement": p, **dict(zip(_SETTING, setting)), "runs": len(group)}
         for key, *_ in TABLE_COLUMNS[4:]:
             values = [r[key] for r in group if r.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
+            row[f"{key}_ci"] = interval95(values) if len(values) > 1 else None  # the plots' error bars
         out.append(row)
     return out
 
 
 def format_repeats(rows: list[dict]) -> str:
-    """Mean (min..max) per cell over its repeats, then each placement minus the first one, repeat by repeat."""
+    """Mean ±95% (min..max) per cell over its repeats, then each placement minus the first one listed."""
     ok = _ok(rows)
     head = "| placement | devs | HiCache | engines | runs | " + " | ".join(h for _, h, _, _ in SPREAD_COLUMNS) + " |"
     lines = [head, "|---|---|---|---|---:|" + "---:|" * len(SPREAD_COLUMNS)]
@@ -128,41 +145,68 @@ def format_repeats(rows: list[dict]) -> str:
     if len(placements) < 2:
         return "\n".join(lines)
     base = placements[0]
-    lines += ["", (f"Paired differences, placement - {base}, over the repeats run with the same seed "
-                   "(mean ±95% interval (min..max), * where the interval excludes zero; 'better' counts the "
-                   "repeats where the placement did better):"), "",
-              ("| placement | devs | HiCache | engines | pairs | "
+    paired = all(r.get("paired", True) for r in ok)
+    unit = "pairs" if paired else "runs"
+    how = ("paired run by run over the repeats that shared a seed" if paired else
+           "the difference of the means, every run with a seed of its own (Welch's interval)")
+    lines += ["", (f"Differences, placement - {base}, {how} (mean ±95% interval, * where the interval excludes "
+                   f"zero; 'better' counts the {unit} where the placement did better"
+                   + ("" if paired else f" than {base}'s mean") + "):"), "",
+              (f"| placement | devs | HiCache | engines | {unit} | "
                + " | ".join(f"{h} diff" + (" (pt)" if k in _POINTS else "") for k, h, _, _ in SPREAD_COLUMNS)
                + " | better (turns/min, cache, TTFT p50) |"),
               "|---|---|---|---|---:|" + "---:|" * (len(SPREAD_COLUMNS) + 1)]
     for (d, h, e), group in _groups(ok, _SETTING).items():
-        by_repeat = _groups(group, ("repeat",)) if all("repeat" in r for r in group) else {(0,): group}
+        base_rows = [r for r in group if r["placement"] == base]
         for p in placements[1:]:
-            pairs = []
-            for same in by_repeat.values():
-                a = next((r for r in same if r["placement"] == base), None)
-                b = next((r for r in same if r["placement"] == p), None)
-                if a is not None and b is not None:
-                    pairs.append((a, b))
-            if not pairs:
-                continue
-            cells, wins = [], []
-            for key, _, _, fmt in SPREAD_COLUMNS:
-                diffs = [(b[key] - a[key]) * (100 if key in _POINTS else 1) for a, b in pairs
-                         if a.get(key) is not None and b.get(key) is not None]
-                cells.append(_spread(diffs, fmt, interval=True))
-            for key, sign in (("turns_per_min", 1), ("cache_ratio", 1), ("ttft_p50", -1)):
-                wins.append(sum(1 for a, b in pairs if a.get(key) is not None and b.get(key) is not None
-                                and sign * (b[key] - a[key]) > 0))
-            lines.append(f"| {p} | {d} | {h} | {e} | {len(pairs)} | " + " | ".join(cells)
-                         + f" | {'/'.join(map(str, wins))} of {len(pairs)} |")
+            mine = [r for r in group if r["placement"] == p]
+            row = (_paired_diffs if paired else _unpaired_diffs)(base_rows, mine) if base_rows and mine else None
+            if row is not None:
+                lines.append(f"| {p} | {d} | {h} | {e} | " + row)
     return "\n".join(lines)
+
+
+_BETTER = (("turns_per_min", 1), ("cache_ratio", 1), ("ttft_p50", -1))  # (metric, sign of "better")
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    """The metric over `rows`; shares in percentage points."""
+    return [r[key] * (100 if key in _POINTS else 1) for r in rows if r.get(key) is not None]
+
+
+def _paired_diffs(base: list[dict], mine: list[dict]) -> str | None:
+    by_repeat = {r.get("repeat", 0): r for r in base}
+    pairs = [(by_repeat[r.get("repeat", 0)], r) for r in mine if r.get("repeat", 0) in by_repeat]
+    if not pairs:
+        return None
+    cells = []
+    for key, _, _, fmt in SPREAD_COLUMNS:
+        both = [(a, b) for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
+        cells.append(_spread([y - x for x, y in zip(_values([a for a, _ in both], key),
+                                                    _values([b for _, b in both], key))], fmt, star=True))
+    wins = [sum(1 for a, b in pairs if a.get(k) is not None and b.get(k) is not None and sign * (b[k] - a[k]) > 0)
+            for k, sign in _BETTER]
+    return f"{len(pairs)} | " + " | ".join(cells) + f" | {'/'.join(map(str, wins))} of {len(pairs)} |"
+
+
+def _unpaired_diffs(base: list[dict], mine: list[dict]) -> str:
+    cells = []
+    for key, _, _, fmt in SPREAD_COLUMNS:
+        a, b = _values(base, key), _values(mine, key)
+        ok = len(a) >= 2 and len(b) >= 2
+        cells.append(_interval(statistics.fmean(b) - statistics.fmean(a), welch95(a, b), fmt, True) if ok else "-")
+    wins = []
+    for k, sign in _BETTER:
+        a = [r[k] for r in base if r.get(k) is not None]
+        wins.append(sum(1 for r in mine if a and r.get(k) is not None and sign * (r[k] - statistics.fmean(a)) > 0))
+    return f"{len(mine)} | " + " | ".join(cells) + f" | {'/'.join(map(str, wins))} of {len(mine)} |"
 
 
 # --------------------------------------------------------------------------- files
 
 def _describe(cfg) -> str:
-    seeds = f"seed {cfg.seed}" if cfg.repeats == 1 else f"seeds {cfg.seed}..{cfg.seed + cfg.repeats - 1}"
+    last = cfg.seed + (cfg.repeats if cfg.paired else cfg.repeats * len(cfg.placements)) - 1
+    seeds = f"seed {cfg.seed}" if cfg.repeats == 1 else f"seeds {cfg.seed}..{last}" + (" paired" * cfg.paired)
     return (f"`ramjet bench compare` {seeds}, time scale {cfg.time_scale:g}, warm-up {cfg.warmup:g} s, "
             f"window {cfg.duration:g} s (engine time), {cfg.engines} engine(s) x 8 ranks, "
             f"{cfg.kv_tokens_per_rank:,} KV tokens per rank, HiCache {cfg.hicache_tokens_per_rank:,} tokens per rank "

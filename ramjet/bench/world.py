@@ -20,7 +20,7 @@ class WorkloadConfig:
 
     harnesses: int = 3
     harness_tokens: int = 18000          # system prompt + tool schemas, the middle harness
-    harness_spread: float = 0.3          # harness sizes span (1 - spread)x .. (1 + spread)x
+    harness_spread: float = 0.0          # sizes span (1 - spread)x .. (1 + spread)x; the article: all 18K
     tool_schema_share: float = 0.4       # share of the harness tokens in the `tools` list
     tools_per_harness: int = 14
     repos: int = 6

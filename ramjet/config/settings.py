@@ -61,8 +61,8 @@ class Settings(BaseSettings):
     # routing
     affinity: Literal["prefix", "load"] = "prefix"
     route_affinity_basis: str = "relative"  # one of ramjet.routing.policies.BASES
-    route_alpha: float = Field(4.0, ge=0, allow_inf_nan=False)
-    route_new_sessions: Literal["affinity", "balance"] = "affinity"
+    route_alpha: float = Field(2.0, ge=0, allow_inf_nan=False)
+    route_new_sessions: Literal["auto", "affinity", "balance"] = "auto"
     route_chunk_bytes: int = Field(2048, ge=64)
     route_max_prefix_bytes: int = Field(2 * MIB, ge=64, validate_default=True)
     route_max_overlap_blocks: PositiveInt = 32
@@ -290,6 +290,17 @@ class Settings(BaseSettings):
     def policy_name(self) -> str:
         """The routing policy to build (ramjet.routing.policies.POLICY_NAMES): `load`, or the affinity basis."""
         return "load" if self.affinity == "load" else self.route_affinity_basis
+
+    @property
+    def balance_new_sessions(self) -> bool:
+        """RJ_ROUTE_NEW_SESSIONS: `auto` balances new conversations with the approximate index only.
+
+        In precise mode several balancers must decide alike (docs/operations.md), and whether a
+        request starts a conversation depends on what this one balancer has seen answered.
+        """
+        if self.route_new_sessions == "auto":
+            return self.kv_events == "off"
+        return self.route_new_sessions == "balance"
 
     @property
     def journal_target(self) -> None | Literal["stdout"] | Path:

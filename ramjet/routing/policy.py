@@ -20,7 +20,7 @@ class Params:
     """The routing tunables (RJ_ROUTE_*), shared by every policy."""
 
     cap_blocks: int = 32           # C: most credit an overlap can earn, in blocks
-    alpha: float = 4.0             # points per load unit
+    alpha: float = 2.0             # points per load unit
     chunk_bytes: int = 2048        # one block
     load_unit_bytes: int = 32768   # uncached prompt bytes per load unit
     max_load_units: int = 8

@@ -3,7 +3,8 @@
 Pure state and arithmetic, no I/O and no clock, so every decision can be
 replayed (tests/test_routing_replay.py). The balancer tells it which replicas
 serve and how loaded they are, and which replica answered; it keeps the prefix
-index and the new-session demand. Ties are broken by a hash of the request, not a
+index and, for new-session placement, the demand, the answered conversations and
+the cache pressure. Ties are broken by a hash of the request, not a
 counter, so balancers that see the same replicas decide alike (docs/design.md).
 """
 
@@ -17,6 +18,8 @@ from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.index import PrefixIndex
 from ramjet.routing.policies import NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank, rendezvous
+from ramjet.routing.pressure import Pressure
+from ramjet.routing.sessions import SessionKeys
 from ramjet.routing.units import load_units
 
 
@@ -46,6 +49,8 @@ class Router:
         self.new_sessions = NewSessions(params)
         self.index = PrefixIndex(index_capacities, mark_ends=self.balance_new_sessions)
         self.demand = Demand(len(index_capacities))
+        self.conversations = SessionKeys()  # answered chains' ends: which requests continue a conversation
+        self.pressure = Pressure()
 
     def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
                held: Sequence[float | None] | None = None) -> Decision:
@@ -55,25 +60,48 @@ class Router:
         holds (precise mode, from the KV events); it replaces the approximate index's guess for that
         replica, in the same units, so the policies do not care where an overlap came from.
         """
+        fp = fingerprint(route, body, self.params.chunk_bytes, self.max_prefix_bytes)
+        return self.decide_fingerprint(fp, loads, serving, held)
+
+    def decide_fingerprint(self, fp: Fingerprint, loads: Sequence[float], serving: Sequence[bool],
+                           held: Sequence[float | None] | None = None) -> Decision:
+        """`decide` for a request already fingerprinted (the offline replay has fingerprints, not bodies)."""
         chunk = self.params.chunk_bytes
-        fp = fingerprint(route, body, chunk, self.max_prefix_bytes)
         n = len(self.index)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.reads_overlap else [0] * n
         covered = [fp.covered_bytes(o) for o in overlaps]
         if held is not None and self.policy.reads_overlap:
             covered = [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
-        new_session = self.balance_new_sessions and not self.index.continues(fp.blocks, overlaps)
+        new_session = self.balance_new_sessions and self._new_session(fp.blocks, overlaps)
         policy = self.new_sessions if new_session else self.policy
         candidates = Candidates([c / chunk for c in covered], loads, serving,
                                 fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
         ranking = rank(policy, candidates, rendezvous(fp.blocks[-1] if fp.blocks else 0, n))
         return Decision(fp, overlaps, covered, ranking, new_session, policy.name)
 
+    def _new_session(self, blocks: list[int], overlaps: list[int]) -> bool:
+        """Does this request start a conversation, and may it be placed for balance?
+
+        It continues one when its deepest match ends where an answered request ended (the index's
+        end marks) or when it holds an earlier request's whole chain (the conversation memory, which
+        eviction does not touch). A continuing request that no replica still holds whole tells that
+        the caches are evicting live conversations; while that happens to more than PRESSURE of
+        them (routing/pressure.py), new ones go where their shared prefix already is (the policy's
+        own placement), so that spreading them does not cost the room the live ones need.
+        """
+        depth = self.conversations.continued_depth(blocks)
+        if depth:
+            self.pressure.observe(max(overlaps, default=0) < depth)
+        if depth or self.index.continues(blocks, overlaps):
+            return False
+        return not self.pressure.high()
+
     def answered(self, replica: int, decision: Decision) -> None:
         """`replica` answered 2xx: it now holds the request's prefix."""
         self.index.record(replica, decision.fingerprint.blocks)
         if self.balance_new_sessions:
             self.demand.record(replica, decision.fingerprint.prompt_bytes)
+            self.conversations.key(decision.fingerprint.blocks)
 
     def forget(self, replica: int) -> None:
         """The replica's cache is gone (its engine restarted): it holds nothing, hosts no sessions."""

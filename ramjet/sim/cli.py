@@ -36,7 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens-per-s", type=float, default=_D.decode_tokens_per_s,
                    help="decode speed of each running request")
     p.add_argument("--max-running-per-rank", type=int, default=_D.max_running_per_rank)
-    p.add_argument("--chunked-prefill", type=int, default=_D.chunked_prefill, help="prefill chunk in tokens")
+    p.add_argument("--chunked-prefill", type=int, default=_D.chunked_prefill,
+                   help="SGLang's --chunked-prefill-size: each DP rank prefills chunks of this / --dp-size tokens")
+    p.add_argument("--prefill-decode-share", type=float, default=_D.prefill_decode_share,
+                   help="share of its decode speed every rank keeps while any rank prefills (DP ranks share passes)")
+    p.add_argument("--decode-context-tokens", type=int, default=_D.decode_context_tokens,
+                   help="a rank decodes 1 + (its running requests' context) / this times slower; 0: never")
     p.add_argument("--time-scale", type=float, default=_D.time_scale,
                    help="engine work runs this many times faster than real time (transport timings stay real)")
     p.add_argument("--idle-keepalive-s", type=float, default=_D.idle_keepalive_s,
@@ -67,6 +72,7 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> SimConfig:
         hicache_tokens_per_rank=args.hicache_tokens_per_rank, prefill_tokens_per_s=args.prefill_tokens_per_s,
         hicache_load_tokens_per_s=args.hicache_load_tokens_per_s, decode_tokens_per_s=args.decode_tokens_per_s,
         max_running_per_rank=args.max_running_per_rank, chunked_prefill=args.chunked_prefill,
+        prefill_decode_share=args.prefill_decode_share, decode_context_tokens=args.decode_context_tokens,
         time_scale=args.time_scale, idle_keepalive_s=args.idle_keepalive_s,
         health_generation=environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower()
         not in ("0", "false", "no", "off"),

@@ -25,9 +25,11 @@ class SimConfig:
     hicache_tokens_per_rank: int = 0
     prefill_tokens_per_s: float = 6_500.0
     hicache_load_tokens_per_s: float = 95_000.0
-    decode_tokens_per_s: float = 32.0
+    decode_tokens_per_s: float = 180.0  # one request's decode speed with no context (fitted, docs/simulator.md)
     max_running_per_rank: int = 16
-    chunked_prefill: int = 32_768
+    chunked_prefill: int = 32_768  # SGLang's --chunked-prefill-size: with DP attention each rank gets 1/dp_size of it
+    prefill_decode_share: float = 0.5  # decode speed every rank keeps while any rank prefills (fitted)
+    decode_context_tokens: int = 20_000  # a rank decodes 1 + (its running requests' context) / this times slower
     time_scale: float = 1.0
     idle_keepalive_s: float = 5.0
     health_generation: bool = True  # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
@@ -63,6 +65,10 @@ class SimConfig:
                      "chunked_prefill", "ideal_max_pages"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if not 0 < self.prefill_decode_share <= 1:
+            problems.append("prefill_decode_share must be in (0, 1]")
+        if self.decode_context_tokens < 0:
+            problems.append("decode_context_tokens must be >= 0")
         if self.hicache_tokens_per_rank < 0:
             problems.append("hicache_tokens_per_rank must be >= 0")
         for name in ("prefill_tokens_per_s", "hicache_load_tokens_per_s", "decode_tokens_per_s",

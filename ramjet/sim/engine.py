@@ -7,10 +7,9 @@ with nothing to prefill, advances every running request's decode by the time
 that passed, in ticks of at most DECODE_TICK_S real seconds, so a stream gets
 one write per tick and there are no per-token sleeps.
 
-DP attention ranks share the MoE layers, so a forward pass is engine-wide:
-while any rank runs a prefill chunk, decode on every rank waits. The engine
-keeps a "decode clock" that only runs while no rank is prefilling; ticks
-advance decode by that clock. All engine work is divided by the time scale.
+DP attention ranks share the MoE layers, so forward passes are engine-wide:
+a prefill on any rank slows decode on every rank (clock.py). All engine work is
+divided by the time scale.
 """
 
 from __future__ import annotations
@@ -23,16 +22,29 @@ from array import array
 from collections import deque
 
 from ramjet.sim.cache import IdealCache, PrefixCache
+from ramjet.sim.clock import DecodeClock
 from ramjet.sim.config import FAULT_MODES, SLOW_FACTOR, SimConfig
 from ramjet.sim.kv_events import LOAD_HEARTBEAT_S, EnginePublishers, load_endpoint
 from ramjet.sim.kv_wire import wire
 from ramjet.sim.request import STAT_KEYS, RankStats, Req
-from ramjet.sim.tokens import OUTPUT_WORDS, Prompt, Tokenizer, load_tokenizer, make_prompt, page_hashes
+from ramjet.sim.tokens import (
+    OUTPUT_WORDS,
+    Prompt,
+    Tokenizer,
+    load_tokenizer,
+    make_prompt,
+    page_hashes,
+)
 
 log = logging.getLogger("ramjet.sim")
 
 DECODE_TICK_S = 0.02  # real seconds between decode deliveries (one write per tick)
 _MIN_NAP_S = 0.001
+
+
+def rank_chunk_tokens(config: SimConfig) -> int:
+    """One rank's prefill chunk: SGLang divides --chunked-prefill-size by dp_size under DP attention."""
+    return max(config.chunked_prefill // config.dp_size, config.page_tokens)
 
 
 class Rank:
@@ -86,7 +98,7 @@ class Rank:
                 await self._prefill_chunk(self.prefilling)
                 prefilled = True
                 if self.decoding:  # one decode step between prefill chunks
-                    step = 1.0 / self.config.decode_tokens_per_s
+                    step = 1.0 / self.decode_rate()
                     await asyncio.sleep(self._real(step))
                     self._advance(step)
             elif self.decoding:
@@ -144,16 +156,16 @@ class Rank:
         return req
 
     async def _prefill_chunk(self, req: Req) -> None:
-        n = min(req.prompt.tokens - req.computed, self.config.chunked_prefill)
+        n = min(req.prompt.tokens - req.computed, self.engine.chunk_tokens)
         seconds = n / self.config.prefill_tokens_per_s
         if req.reload_tokens:
             seconds += req.reload_tokens / self.config.hicache_load_tokens_per_s
             req.reload_tokens = 0
-        self.engine.prefill_begins()
+        self.engine.clock.prefill_begins()
         try:
             await asyncio.sleep(self._real(seconds))
         finally:
-            self.engine.prefill_ends()
+            self.engine.clock.prefill_ends()
             self.prefill_busy_s += self._real(seconds)
             self.prefill_uncached_tokens += n
         if req.state != "prefill":  # aborted meanwhile
@@ -177,8 +189,7 @@ class Rank:
 
     async def _decode_tick(self) -> None:
         """Sleep up to one tick (less if a request finishes sooner or work arrives), then decode."""
-        rate = self.config.decode_tokens_per_s
-        soonest = min(r.output_tokens - r.progress for r in self.decoding) / rate
+        soonest = min(r.output_tokens - r.progress for r in self.decoding) / self.decode_rate()
         loop = asyncio.get_running_loop()
         self._nap = loop.create_future()
         handle = loop.call_later(max(_MIN_NAP_S, min(DECODE_TICK_S, self._real(soonest))), self._end_nap)
@@ -191,8 +202,17 @@ class Rank:
         if self.fault != "wedge":
             self._advance((self.engine.decode_clock() - start) / self._real(1.0))
 
+    def decode_rate(self) -> float:
+        """Tokens per engine second for each decoding request here: a step reads the KV of every running
+        request, so it takes longer the more context the rank is decoding (decode_context_tokens)."""
+        config = self.config
+        if not config.decode_context_tokens:
+            return config.decode_tokens_per_s
+        context = sum(r.prompt.tokens + r.generated for r in self.decoding)
+        return config.decode_tokens_per_s / (1 + context / config.decode_context_tokens)
+
     def _advance(self, engine_seconds: float) -> None:
-        step = engine_seconds * self.config.decode_tokens_per_s
+        step = engine_seconds * self.decode_rate()
         done = []
         produced = False
         for r in self.decoding:
@@ -276,25 +296,11 @@ class Engine:
         self.outputs = 0  # bumped whenever any rank produces tokens (the health check watches it)
         self._rr = itertools.cycle(range(config.dp_size))
         self._tasks: list[asyncio.Task] = []
-        self._prefilling_ranks = 0
-        self._clock_since = 0.0  # real time the decode clock last resumed
-        self._clock_total = 0.0  # decode clock at that moment
-
-    def prefill_begins(self) -> None:
-        if self._prefilling_ranks == 0:
-            self._clock_total += asyncio.get_running_loop().time() - self._clock_since
-        self._prefilling_ranks += 1
-
-    def prefill_ends(self) -> None:
-        self._prefilling_ranks -= 1
-        if self._prefilling_ranks == 0:
-            self._clock_since = asyncio.get_running_loop().time()
+        self.chunk_tokens = rank_chunk_tokens(config)
+        self.clock = DecodeClock(config.prefill_decode_share)
 
     def decode_clock(self) -> float:
-        """Real seconds so far during which no rank was prefilling (decode could run)."""
-        if self._prefilling_ranks:
-            return self._clock_total
-        return self._clock_total + asyncio.get_running_loop().time() - self._clock_since
+        return self.clock.read()
 
     def output_ids(self, n: int) -> array:
         """Token ids of the first `n` output tokens (the filler words of responses.text_of)."""
@@ -312,7 +318,7 @@ class Engine:
                 r.kv = r.cache.events = sink
             for r, load in zip(self.ranks, self.publishers.loads):
                 r.load = load
-        self._clock_since = asyncio.get_running_loop().time()
+        self.clock.start()
         self._tasks = [asyncio.create_task(r.run(), name=f"sim-rank-{r.index}") for r in self.ranks]
         for t in self._tasks:
             t.add_done_callback(_report_crash)

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ramjet.sim.config import FAULT_MODES, VERSION, SimConfig
-from ramjet.sim.engine import Engine
+from ramjet.sim.engine import Engine, rank_chunk_tokens
 from ramjet.sim.kv_events import load_endpoint
 from ramjet.sim.kv_wire import tcp_host, tcp_port
 from ramjet.sim.metrics import metrics_renderer
@@ -202,7 +202,7 @@ def build_app(config: SimConfig) -> Starlette:
             "enable_dp_attention": True, "load_balance_method": "round_robin",
             "max_running_requests": config.max_running_per_rank * config.dp_size,
             "max_total_num_tokens": config.kv_tokens_per_rank, "context_length": config.kv_tokens_per_rank,
-            "chunked_prefill_size": config.chunked_prefill, "page_size": config.page_tokens,
+            "chunked_prefill_size": rank_chunk_tokens(config), "page_size": config.page_tokens,
             "kv_cache_dtype": "fp8_e4m3", "enable_hierarchical_cache": config.hicache_tokens_per_rank > 0,
             "enable_cache_report": True, "enable_metrics": True, "api_key_set": config.api_key is not None,
             "version": VERSION, "startup_time": startup, "internal_states": per_rank, "kv_events_config": config.kv_events_config,

@@ -2,7 +2,7 @@
 
 A policy is chosen by name (RJ_ROUTE_AFFINITY_BASIS, or `load` with
 RJ_AFFINITY=load); `new_sessions` is not chosen by name but applied by the
-router to new conversations when RJ_ROUTE_NEW_SESSIONS=balance.
+router to new conversations (RJ_ROUTE_NEW_SESSIONS).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Placement of a request that starts a new conversation (RJ_ROUTE_NEW_SESSIONS=balance, experimental).
+"""Placement of a request that starts a new conversation (RJ_ROUTE_NEW_SESSIONS, on by default).
 
 A new conversation's matched prefix (a shared harness, say) is nobody's own
 history, so a replica that lacks part of it pays only the prefill of what it
@@ -6,7 +6,8 @@ lacks: alpha * missing blocks / blocks per load unit. And it should go where
 fewer sessions live: minus `balance` points per unit of the replica's demand
 share (its recent answered prompt bytes over the average, routing/demand.py),
 capped at MAX_SHARE. It replaces the basis for new conversations only; the
-router decides which requests are new (PrefixIndex.continues).
+router decides which requests are new, and not while the caches are full
+(Router._new_session).
 """
 
 from __future__ import annotations
