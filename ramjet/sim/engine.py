@@ -27,14 +27,7 @@ from ramjet.sim.config import FAULT_MODES, SLOW_FACTOR, SimConfig
 from ramjet.sim.kv_events import LOAD_HEARTBEAT_S, EnginePublishers, load_endpoint
 from ramjet.sim.kv_wire import wire
 from ramjet.sim.request import STAT_KEYS, RankStats, Req
-from ramjet.sim.tokens import (
-    OUTPUT_WORDS,
-    Prompt,
-    Tokenizer,
-    load_tokenizer,
-    make_prompt,
-    page_hashes,
-)
+from ramjet.sim.tokens import OUTPUT_WORDS, Prompt, Tokenizer, load_tokenizer, make_prompt, page_hashes
 
 log = logging.getLogger("ramjet.sim")
 
