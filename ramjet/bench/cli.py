@@ -114,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra setting for the ramjet cells (repeatable)")
     c.add_argument("--no-kv-hint", action="store_true",
                    help="do not tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)")
+    c.add_argument("--sim-arg", action="append", default=[], metavar="--FLAG=VALUE",
+                   help="extra flag for every simulator, e.g. --sim-arg=--decode-tokens-per-s=32 (repeatable)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c.add_argument("--repeat", "--repeats", dest="repeats", type=int, default=1, metavar="N",
                    help="run every cell N times, a repeat's placements back to back; summary.md adds each cell's "
@@ -165,7 +167,7 @@ def _run_compare(args) -> int:
             kv_tokens_per_rank=args.kv_tokens_per_rank, hicache_tokens_per_rank=args.hicache_tokens_per_rank,
             model=args.model, workload=_workload(args), request_timeout=args.request_timeout, balancer_env=env,
             kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats,
-            paired=args.paired, journal=args.journal)
+            paired=args.paired, journal=args.journal, sim_args=args.sim_arg)
     except ValueError as e:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2

@@ -102,11 +102,9 @@ class CompareConfig:
     journal: bool = False           # ramjet cells write DIR/journals/CELL.jsonl
 
     def __post_init__(self):
-        bad = [p for p in self.placements if split_placement(p)[0] not in PLACEMENTS]
+        bad = [p for p in self.placements if split_placement(p)[0] not in PLACEMENTS]  # raises on a bad setting
         if bad:
             raise ValueError(f"unknown placement(s) {', '.join(bad)}; choose from {', '.join(PLACEMENTS)}")
-        for p in self.placements:
-            split_placement(p)  # raises on a malformed setting
         if not self.placements or not self.developers:
             raise ValueError("need at least one placement and one team size")
         for h in self.hicache:
