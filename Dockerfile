@@ -10,13 +10,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # The simulator, the benchmark, the demo and the operator tools (validate, fit, check-hicache)
 # run from a pip install of the checkout (README), not in the serving image.
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY ramjet/__init__.py ramjet/__main__.py ramjet/cli.py ramjet/errors.py ramjet/usage.py ./ramjet/
 COPY ramjet/config ./ramjet/config
 COPY ramjet/routing ./ramjet/routing
 COPY ramjet/balancer ./ramjet/balancer
 COPY ramjet/kvevents ./ramjet/kvevents
-RUN pip install . \
+RUN pip install -c constraints.txt . \
     && rm -rf /src \
     && useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin ramjet \
     && mkdir -p /var/lib/ramjet && chown ramjet:ramjet /var/lib/ramjet

@@ -12,7 +12,7 @@ tokenizer directory the balancer is given as RJ_TOKENIZER):
 
 Each request is rendered with the chat template and tokenized
 (ramjet.routing.prompt_tokens.PromptTokenizer, loaded by
-ramjet.balancer.precise.load_tokenizer), hashed into 64-token blocks
+ramjet.balancer.precise.mode.load_tokenizer), hashed into 64-token blocks
 (ramjet.routing.token_index.chain) and walked through a TokenIndex of 8 replicas
 that holds this conversation's previous turn on one replica, part of it on another,
 the shared harness on a third, and other sessions' blocks on every replica (a full
@@ -33,7 +33,7 @@ import statistics
 import time
 from importlib.resources import files
 
-from ramjet.balancer.matcher import Matcher, load_tokenizer
+from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
 from ramjet.bench.world import World, WorkloadConfig
 from ramjet.routing.token_index import TokenIndex

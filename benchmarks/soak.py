@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 
-from ramjet.demo import procs
+from ramjet.bench import procs
 
 HOST = "127.0.0.1"
 KEY = "soak-key"

@@ -1,4 +1,4 @@
-"""`ramjet serve | demo | sim | bench | replay | validate | fit | check-hicache`.
+"""`ramjet serve | demo | sim | bench | replay | validate | fit | check-hicache | check-precise`.
 
 Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
 `run(args) -> int`. Only the chosen command's module is imported, so start-up
@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "serve": ("ramjet.balancer.serve", "run the balancer (configured by RJ_* environment variables)"),
+    "serve": ("ramjet.balancer.server.serve", "run the balancer (configured by RJ_* environment variables)"),
     "demo": ("ramjet.demo.cli", "the balancer in front of a simulated 8-rank SGLang engine, on loopback"),
     "sim": ("ramjet.sim.cli", "a simulated SGLang v0.5.20 engine with per-rank prefix caches"),
     "bench": ("ramjet.bench.cli", "agent-swarm load generator and placement comparison"),
@@ -21,6 +21,8 @@ COMMANDS = {
     "fit": ("ramjet.ops.fit", "KV-cache capacity per GPU/rank from a model's config and index"),
     "check-hicache": ("ramjet.ops.check_hicache",
                       "flood one DP rank and check an evicted prompt comes back from the host cache tier, still right"),
+    "check-precise": ("ramjet.ops.check_precise",
+                      "check that an engine's KV events predict its cached tokens, rank by rank, before precise mode"),
 }
 
 

@@ -341,7 +341,7 @@ class Engine:
     model: str
     kv_port: int
     replay_port: int
-    process: object  # ramjet.demo.procs.ManagedProcess
+    process: object  # ramjet.bench.procs.ManagedProcess
     start_seconds: float
 
 
@@ -351,7 +351,7 @@ def running_vllm(port: int, kv_port: int, replay_port: int, log_path: Path, root
     """Start the engine (setup must have run), wait until it serves, and stop its whole
     process group on exit, errors included."""
     # The project's own process handling, as for the simulator (imported here: the venv has no ramjet).
-    from ramjet.demo.procs import ManagedProcess
+    from ramjet.bench.procs import ManagedProcess
 
     paths = Paths(Path(root).resolve())
     if not ((paths.venv / ".requirements-installed").exists() and (paths.model / "ramjet-model-spec.json").exists()):
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "setup":
             setup(args.dir)
             return 0
-        from ramjet.demo.procs import stop_on_sigterm
+        from ramjet.bench.procs import stop_on_sigterm
         stop_on_sigterm()
         log = args.log or Path(args.dir) / "serve.log"
         say(f"starting vLLM on 127.0.0.1:{args.port}; rank r's events go to 127.0.0.1:{args.kv_port}+r "

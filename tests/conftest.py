@@ -1,10 +1,15 @@
-"""Fixtures that start the real simulator and the real balancer as subprocesses on loopback."""
+"""The test tiers (tests/tiers.py), and fixtures that start the real simulator and balancer as subprocesses."""
 
 from __future__ import annotations
 
 import pytest
+from tiers import (  # noqa: F401  (the tiers' hooks and fixture, installed here)
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    unit_guard,
+)
 
-from ramjet.demo import procs
+from ramjet.bench import procs
 
 
 @pytest.fixture

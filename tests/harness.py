@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
 import uvicorn
 
-from ramjet.balancer.app import BalancerApp
-from ramjet.balancer.build import Balancer, build_balancer
-from ramjet.balancer.topology import build_replicas
+from poll import until
+from ramjet.balancer.cluster.topology import build_replicas
+from ramjet.balancer.edge.app import BalancerApp
+from ramjet.balancer.runtime.build import Balancer, build_balancer
 from ramjet.bench.scrape import metric_sum
 from ramjet.config import load_settings
 from ramjet.sim.config import SimConfig
 from ramjet.sim.engine import Engine
 from ramjet.sim.server import build_app
+from token_helpers import TOKENIZER
 
 
 def chat_body(text: str = "hello", **extra) -> dict:
@@ -121,18 +123,45 @@ async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False,
         yield s
 
 
-async def until(predicate, what: str, timeout: float = 20.0, interval: float = 0.02):
-    """Wait for `predicate()` (sync or async) to be truthy; fail naming `what` if it never is.
+# --- precise mode: simulators publishing their KV events, the balancer following them ---------------
 
-    The bound only stops a hung test: it is not a claim about speed.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(interval)
+
+def free_ports(n: int) -> int:
+    """A base port with `n` consecutive free ports on 127.0.0.1 (rank r publishes on base + r)."""
+    for _ in range(50):
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+        probe.close()
+        held = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                held.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def precise_stack(fmt: str = "sglang", dp: int = 8, replay: bool = True, **extra):
+    events, replays = free_ports(dp), free_ports(dp)
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv" if fmt == "vllm" else "",
+              **({"replay_endpoint": f"tcp://127.0.0.1:{replays}"} if replay else {}), **extra.pop("events", {})}
+    if fmt == "vllm":
+        config["enable_kv_cache_events"] = True
+    rj = dict(kv_events="zmq", tokenizer=TOKENIZER, kv_events_silence_ms="2000")
+    if replay:
+        rj["kv_events_replay_endpoint"] = "tcp://{host}:%d" % replays
+    if fmt == "vllm":  # vLLM advertises nothing: the operator names the publishers
+        rj["kv_events_endpoint"] = "tcp://{host}:%d" % events
+    sim = {"kv_events_config": json.dumps(config), "kv_events_format": fmt, "dp_size": dp, **extra.pop("sim", {})}
+    return stack(sim=sim, **rj, **extra)
+
+
+async def all_precise(s, n: int = 8) -> bool:
+    return await s.metric("ramjet_kv_precise") == n

@@ -11,11 +11,14 @@ from __future__ import annotations
 import itertools
 
 import httpx
+import pytest
 
-from harness import BalancerTransport, stack, until
-from ramjet.balancer.build import build_balancer
+from harness import BalancerTransport, all_precise, precise_stack, stack
+from poll import until
+from ramjet.balancer.runtime.build import build_balancer
 from ramjet.demo.sessions import run_sessions
-from test_precise import all_precise, precise_stack
+
+pytestmark = pytest.mark.e2e
 
 
 class RoundRobin(httpx.AsyncBaseTransport):

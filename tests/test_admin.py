@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
-from harness import chat_body, stack
-from ramjet.balancer.admin import build_admin_app
+from harness import all_precise, chat_body, precise_stack, stack
+from poll import until
+from ramjet.balancer.edge.admin import build_admin_app
 from ramjet.demo.sessions import run_sessions
+
+pytestmark = pytest.mark.e2e
 
 
 def admin_client(s, key: str | None = None) -> httpx.AsyncClient:
@@ -17,14 +21,22 @@ def admin_client(s, key: str | None = None) -> httpx.AsyncClient:
 
 async def test_replicas_report_state_load_index_and_fence_history():
     async with stack() as s, admin_client(s) as admin:
-        assert (await s.chat("x" * 5000)).status_code == 200
-        s.balancer.fleet.fence(2, "rank_error")
+        answered = await s.chat("x" * 5000)
+        assert answered.status_code == 200
+        served = int(answered.headers["x-ramjet-upstream"])
+        blocks = (await admin.post("/admin/explain", json=chat_body("x" * 5000))).json()["blocks"]
+        assert blocks > 1  # a long prompt: several blocks
+        fenced = (served + 1) % 8  # another replica: what it remembers stays its own
+        s.balancer.fleet.fence(fenced, "rank_error")
         report = (await admin.get("/admin/replicas")).json()
         assert report["policy"] == "relative" and len(report["replicas"]) == 8
-        r2 = report["replicas"][2]
-        assert r2["state"] == "fenced" and r2["reason"] == "rank_error"
-        assert [e["event"] for e in r2["history"]] == ["fenced"]
-        assert sum(r["index_blocks"] for r in report["replicas"]) > 0
+        r = report["replicas"][fenced]
+        assert r["state"] == "fenced" and r["reason"] == "rank_error"
+        assert [e["event"] for e in r["history"]] == ["fenced"]
+        # the replica that served the prompt remembers all of its blocks (and where the conversation ends), no
+        # other replica any
+        remembered = [x["index_blocks"] for x in report["replicas"]]
+        assert remembered[served] >= blocks and remembered[:served] + remembered[served + 1:] == [0] * 7, remembered
         assert (await admin.get("/docs")).status_code == 200  # the OpenAPI page
         assert "/admin/explain" in (await admin.get("/openapi.json")).json()["paths"]
 
@@ -73,6 +85,42 @@ async def test_explain_shows_the_pick_without_forwarding():
         bad = await admin.post("/admin/explain", content=b"{not json")
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
         assert (await admin.post("/admin/explain?path=/v1/embeddings", json=body)).status_code == 400
+
+
+async def test_explain_in_precise_mode_is_the_live_decision_where_the_approximate_index_is_wrong():
+    """A conversation reached a rank behind the balancer's back: its engine reports the blocks, the approximate
+    index knows nothing of them. Explain asks the same decision service as the live path, reports included."""
+    async with precise_stack() as s, admin_client(s) as admin:
+        await until(lambda: all_precise(s), "every replica synced")
+        session = chat_body("remember this " * 600)
+        guess = s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8).ranking.order[0]
+        holder = (guess + 3) % 8
+        direct = await s.engine_clients[0].post("/v1/chat/completions", json={**session, "routed_dp_rank": holder})
+        assert direct.status_code == 200
+
+        async def reported():
+            return (await s.balancer.precise.match("chat", session)).held[holder].gpu_tokens > 1000
+        await until(reported, "the engine's report of the holder's blocks")
+        explained = (await admin.post("/admin/explain", json=session)).json()
+        assert explained["pick"] == holder and explained["reason"] == "affinity"
+        row = explained["replicas"][holder]
+        assert row["held_by"] == "engine" and row["covered_bytes"] > 0 and row["overlap_blocks"] == 0
+        for _ in range(3):  # asking changes nothing
+            assert (await admin.post("/admin/explain", json=session)).json() == explained
+        assert s.balancer.router.decide("chat", session, [0.0] * 8, [True] * 8).ranking.order[0] == guess
+        live = await s.client.post("/v1/chat/completions", json=session)
+        assert int(live.headers["x-ramjet-upstream"]) == holder
+
+
+async def test_explain_in_approximate_mode_is_the_live_decision_for_new_and_continuing_sessions():
+    async with stack() as s, admin_client(s) as admin:
+        for k in range(6):
+            body = chat_body(f"session {k} " * 800)
+            for _ in range(2):  # a new conversation, then the same prompt again (continuing: its home now)
+                explained = (await admin.post("/admin/explain", json=body)).json()
+                live = await s.client.post("/v1/chat/completions", json=body)
+                assert int(live.headers["x-ramjet-upstream"]) == explained["pick"], explained
+                assert all(r["held_by"] == "approximate" for r in explained["replicas"])
 
 
 async def test_admin_keys_are_required_when_set():

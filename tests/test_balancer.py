@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 
 import orjson
+import pytest
 
 from harness import chat_body, stack
 from ramjet.demo.sessions import run_sessions
+
+pytestmark = pytest.mark.e2e
 
 
 async def sessions(s, n: int = 16, turns: int = 10, seed: int = 1, **kw):
@@ -100,13 +103,17 @@ async def test_dp_size_auto_discovers_the_ranks_and_journal_is_content_free(tmp_
         assert "127.0.0.1" not in str(report)  # never a URL: it may carry credentials
         secret_text = "PROMPT-TEXT-MUST-NOT-LEAK " * 50
         for _ in range(2):
-            assert (await s.chat(secret_text)).status_code == 200
+            answered = await s.chat(secret_text)
+            assert answered.status_code == 200
     lines = journal.read_text().splitlines()
     assert len(lines) == 3 and "PROMPT-TEXT" not in journal.read_text()
     header, first, second = (orjson.loads(line) for line in lines)
     assert header["journal"] == 1 and header["replicas"] == 4 and header["policy"] == "relative"
     assert second["choice"] == first["choice"] and max(second["overlaps"]) == second["blocks"]
-    assert second["usage"]["prompt_tokens"] > 0 and second["status"] == 200 and second["ttfb_ms"] > 0
+    assert second["status"] == 200 and second["ttfb_ms"] > 0
+    usage = answered.json()["usage"]  # the journal records the usage the client was told
+    assert {k: second["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == \
+        {k: usage[k] for k in ("prompt_tokens", "completion_tokens")} and usage["prompt_tokens"] > 50
     assert second["policy"] == "relative" and second["outcome"] == "ok"
 
 

@@ -7,12 +7,15 @@ import asyncio
 import orjson
 import pytest
 
-from ramjet.balancer.attempts import Attempts
-from ramjet.balancer.fleet import Fleet
-from ramjet.balancer.forward import pin_body
+from ramjet.balancer.proxy.attempts import Attempts
+from ramjet.balancer.cluster.fleet import Fleet
+from ramjet.balancer.proxy.request import pin_body
 from ramjet.balancer.metrics import Metrics
-from ramjet.balancer.prober import judge
-from ramjet.balancer.topology import Replica
+from ramjet.balancer.cluster.prober import judge
+from ramjet.balancer.cluster.topology import Replica
+from ramjet.balancer.engines.upstream import Upstream
+
+pytestmark = pytest.mark.unit
 
 
 def replicas(engines: int = 2, ranks: int = 4) -> list[Replica]:
@@ -59,13 +62,13 @@ def test_fenced_replicas_come_last_and_are_read_live():
 # --- load reservations -------------------------------------------------------------
 
 def idle(f: Fleet) -> bool:
-    return all(s.in_flight == 0 and s.load_units == 0 for s in f.states)
+    return all(f.view(i).in_flight == 0 and f.view(i).load_units == 0 for i in range(len(f.replicas)))
 
 
 def test_a_reservation_holds_its_prefill_until_the_first_byte_then_a_decode_slot():
     f = fleet()
     with f.reserve(3, 2.5) as held:
-        assert f.loads()[3] == 2.5 and f.states[3].in_flight == 1
+        assert f.loads()[3] == 2.5 and f.view(3).in_flight == 1
         held.prefill_done()
         assert f.loads()[3] == 0.125
         held.prefill_done()  # idempotent
@@ -103,13 +106,26 @@ async def test_a_cancelled_request_returns_its_load():
     assert idle(f)
 
 
-def test_a_refused_engine_fences_all_its_ranks_and_bumps_their_cache_epoch_whatever_their_state():
+def test_a_refused_engine_fences_all_its_ranks_and_tells_of_their_lost_caches_whatever_their_state():
     f = fleet()
+    lost: list[int] = []
+    f.on_cache_lost(lost.append)
     f.fence(1, "request_midstream")  # already fenced by a stream that died first
-    before = f.cache_epochs()
     f.engine_refused("http://e0")
     assert f.routable() == [False] * 4 + [True] * 4
-    assert [a - b for a, b in zip(f.cache_epochs(), before)] == [1] * 4 + [0] * 4
+    assert lost == [0, 1, 2, 3]  # told once per replica of that engine, at once
+    assert [f.view(i).cache_losses for i in range(8)] == [1] * 4 + [0] * 4
+
+
+async def test_suspects_are_taken_once_and_cleared_by_a_success():
+    f = fleet()
+    assert await f.next_suspects(0.01) == []
+    f.request_failed(2, "r1", "http_5xx")
+    f.request_failed(5, "r2", "first_byte_timeout")
+    f.request_failed(6, "r3", "http_5xx")
+    f.request_succeeded(6)  # its failures are no longer consecutive: nothing to confirm
+    assert await f.next_suspects(1.0) == [2, 5]
+    assert await f.next_suspects(0.01) == []
 
 
 def test_unfence_needs_consecutive_passing_rounds():
@@ -118,10 +134,10 @@ def test_unfence_needs_consecutive_passing_rounds():
     f.probe_passed(0)
     f.probe_failed(0)
     f.probe_passed(0)
-    assert not f.states[0].serving
+    assert not f.view(0).serving
     f.probe_passed(0)
-    assert f.states[0].serving
-    assert [e["event"] for e in f.states[0].history] == ["fenced", "unfenced"]
+    assert f.view(0).serving
+    assert [e["event"] for e in f.view(0).history] == ["fenced", "unfenced"]
 
 
 # --- probe verdicts ----------------------------------------------------------------
@@ -149,3 +165,43 @@ def test_pin_body_appends_last_key_and_overrides_client_pin():
     assert orjson.loads(pinned)["routed_dp_rank"] == 3
     assert pinned.startswith(raw.rstrip()[:-1])  # the client's bytes are untouched
     assert orjson.loads(pin_body(b"{ }", 0)) == {"routed_dp_rank": 0}
+
+
+class _Gated:
+    """An engine answer that arrives when the test opens the gate (for Upstream.fetch, without a socket)."""
+
+    def __init__(self, gate: asyncio.Future):
+        self.gate, self.status = gate, 200
+
+    def request(self, *args, **kwargs):
+        return self
+
+    async def __aenter__(self):
+        await self.gate
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    @property
+    def content(self):
+        return self
+
+    async def iter_any(self):
+        yield b"{}"
+
+
+async def test_a_fetch_cancelled_as_its_answer_arrives_ends_cancelled():
+    """A task stopped (balancer shutdown) just as its engine answers must stop, not carry on: Python 3.11's
+    asyncio.wait_for returned the answer instead, and an engine-load poll kept running after stop()."""
+    gate = asyncio.get_running_loop().create_future()
+    upstream = Upstream(1.0, 1.0, 1.0)
+    upstream._session = _Gated(gate)
+    task = asyncio.create_task(upstream.fetch("GET", "http://engine/v1/loads", 5.0))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the fetch is waiting for its answer
+    gate.set_result(None)       # the answer arrives, and in the same moment the task is stopped
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+

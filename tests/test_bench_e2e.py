@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-import ramjet.balancer.serve  # noqa: F401 - an import error in the balancer fails these tests, never skips them
+import ramjet.balancer.server.serve  # noqa: F401 - an import error in the balancer fails these tests, never skips them
 import ramjet.sim.cli  # noqa: F401
 from ramjet.bench.compare import CompareConfig, format_table, run_compare
 from ramjet.bench.report import format_repeats, interval95, welch95
@@ -23,6 +23,7 @@ SMALL = WorkloadConfig(harness_tokens=6000, repo_tokens=2000, tool_result_tokens
                        mean_turns=20, compaction_tokens=40_000, summary_tokens=1000, pause_prob=0.02)
 
 
+@pytest.mark.e2e
 async def test_swarm_against_simulator_reads_usage_rank_and_ceiling(start_sim, tmp_path):
     url, _ = start_sim("--dp-size", "8", "--time-scale", "50", "--model-name", "glm-5.3")
     cfg = SwarmConfig(urls=[url], developers=3, duration=150, warmup=50, ramp=10, time_scale=50, seed=3,
@@ -42,6 +43,7 @@ async def test_swarm_against_simulator_reads_usage_rank_and_ceiling(start_sim, t
     assert len(lines) == len(result.records) and json.loads(lines[0])["conv"]
 
 
+@pytest.mark.e2e
 def test_compare_direct_vs_relative(tmp_path):
     rows = run_compare(["direct", "relative"], [4], hicache=["off"], duration=140, warmup=60, ramp=20,
                        time_scale=50, seed=5, out_dir=str(tmp_path), workload=SMALL, progress=False, plots=True)
@@ -65,6 +67,7 @@ def test_compare_direct_vs_relative(tmp_path):
     assert any((tmp_path / "logs").iterdir())
 
 
+@pytest.mark.e2e
 def test_compare_precise_on_two_engines_with_hicache(tmp_path):
     """The `precise` placement: two engines publishing KV events on port ranges of their own, HiCache on and
     pools small enough that pages move to the host tier; the balancer routes every replica on its events."""
@@ -83,6 +86,7 @@ def test_compare_precise_on_two_engines_with_hicache(tmp_path):
     assert "precise-d4-hcon-e2: 16/16 replicas routed on their engine's events" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.e2e
 def test_event_port_ranges_never_overlap():
     from ramjet.bench.precise import plan
     ports = plan(5, 8)
@@ -90,6 +94,7 @@ def test_event_port_ranges_never_overlap():
     assert len(bases) == 10 and all(b - a >= 8 for a, b in zip(bases, bases[1:]))
 
 
+@pytest.mark.unit
 def test_paired_repeats_share_a_seed_and_report_paired_differences():
     cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4, paired=True)
     cells = cfg.cells()
@@ -105,6 +110,7 @@ def test_paired_repeats_share_a_seed_and_report_paired_differences():
     assert text.rstrip().endswith("| 3/3/0 of 3 |")  # turns/min and cache better in every pair, TTFT p50 tied
 
 
+@pytest.mark.unit
 def test_unpaired_repeats_draw_a_seed_per_run_and_report_welchs_interval():
     cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4)
     cells = cfg.cells()
@@ -119,19 +125,23 @@ def test_unpaired_repeats_draw_a_seed_per_run_and_report_welchs_interval():
     assert welch95([60.0, 62.0, 64.0], [61.0, 63.0, 65.0]) == pytest.approx(2.776 * (8 / 3) ** 0.5)
 
 
-def test_a_placement_may_carry_settings_of_its_own():
-    from ramjet.bench.compare import _balancer_env, split_placement
+@pytest.mark.unit
+def test_a_placement_may_carry_settings_of_its_own(tmp_path):
+    from ramjet.bench.placements import PlacementContext, balancer_env, parse_placement
     spec = "relative:RJ_ROUTE_NEW_SESSIONS=affinity:RJ_ROUTE_ALPHA=4"
-    assert split_placement(spec) == ("relative", {"RJ_ROUTE_NEW_SESSIONS": "affinity", "RJ_ROUTE_ALPHA": "4"})
-    cfg = CompareConfig(placements=["relative", spec], developers=[16], balancer_env={"RJ_ROUTE_ALPHA": "3"})
-    env = _balancer_env(cfg, spec, "off", ["http://127.0.0.1:1"])
+    placement = parse_placement(spec)
+    assert (placement.kind, placement.settings) == ("relative", {"RJ_ROUTE_NEW_SESSIONS": "affinity",
+                                                                 "RJ_ROUTE_ALPHA": "4"})
+    ctx = PlacementContext(log_dir=tmp_path, balancer_env={"RJ_ROUTE_ALPHA": "3"})
+    env = balancer_env(placement, ["http://127.0.0.1:1"], ctx)
     assert env["RJ_ROUTE_AFFINITY_BASIS"] == "relative" and env["RJ_ROUTE_ALPHA"] == "4"  # its own beat the common
-    assert _balancer_env(cfg, "relative", "off", ["http://127.0.0.1:1"])["RJ_ROUTE_ALPHA"] == "3"
+    assert balancer_env(parse_placement("relative"), ["http://127.0.0.1:1"], ctx)["RJ_ROUTE_ALPHA"] == "3"
     for bad in ("relative:ALPHA=4", "relative:RJ_ROUTE_ALPHA", "sglang-router:RJ_ROUTE_ALPHA=4", "nope:RJ_X=1"):
         with pytest.raises(ValueError):
             CompareConfig(placements=[bad], developers=[16])
 
 
+@pytest.mark.unit
 def test_the_plots_get_the_mean_and_its_interval_over_the_repeats():
     from ramjet.bench.report import mean_rows
     rows = [{"placement": "relative", "developers": 16, "hicache": "off", "engines": 1, "turns_per_min": v,
@@ -141,14 +151,16 @@ def test_the_plots_get_the_mean_and_its_interval_over_the_repeats():
     assert row["cache_ratio_ci"] == 0.0 and row["ttft_p50"] is None and row["ttft_p50_ci"] is None
 
 
+@pytest.mark.unit
 def test_the_95_percent_interval_is_students():
     assert interval95([1.0, 2.0, 3.0]) == pytest.approx(4.303 * 1.0 / 3 ** 0.5)  # sd 1, n 3, t(2) = 4.303
     assert interval95([0.0, 1.0] * 40) == pytest.approx(1.96 * statistics.stdev([0.0, 1.0] * 40) / 80 ** 0.5)
 
 
+@pytest.mark.e2e
 async def test_swarm_records_failures_and_stops_on_time_against_a_dead_url():
     """Every request fails, the agents back off and retry, and the run still ends at its duration."""
-    from ramjet.demo.procs import free_port
+    from ramjet.bench.procs import free_port
     cfg = SwarmConfig(urls=[f"http://127.0.0.1:{free_port()}"], developers=2, duration=20, warmup=0, ramp=0,
                       time_scale=10, seed=1, salt="dead", workload=SMALL, progress=False, floor_probes=1)
     run = asyncio.ensure_future(run_swarm(cfg))
@@ -169,6 +181,7 @@ async def test_swarm_records_failures_and_stops_on_time_against_a_dead_url():
     assert s["turns"] == 0 and s["failures"] >= 2 and "error" in s["failures_by_status"]
 
 
+@pytest.mark.e2e
 async def test_swarm_counts_engine_errors_and_retries(start_sim):
     url, _ = start_sim("--dp-size", "8", "--time-scale", "50", "--fault", "0:error")
     cfg = SwarmConfig(urls=[url], developers=2, duration=100, warmup=0, ramp=0, time_scale=50, seed=2,
@@ -184,6 +197,7 @@ async def test_swarm_counts_engine_errors_and_retries(start_sim):
     assert any((r.conv, r.turn) in retried for r in result.records if r.status == "ok")
 
 
+@pytest.mark.unit
 def test_cli_parses_bench_subcommands():
     import argparse
 

@@ -6,17 +6,11 @@ import numpy as np
 import pytest
 
 from ramjet.bench.compare import CompareConfig, format_table
-from ramjet.bench.summary import (
-    by_context,
-    ceiling,
-    format_summary,
-    in_window,
-    percentile,
-    stickiness,
-    summarize,
-    upstream_spread,
-)
+from ramjet.bench.summary import (by_context, ceiling, format_summary, in_window, percentile, stickiness, summarize,
+                                  upstream_spread)
 from ramjet.bench.swarm import RequestRecord, _sum_stats
+
+pytestmark = pytest.mark.unit
 
 
 def rec(conv="c", turn=0, start=100.0, status="ok", upstream="0", prompt=1000, cached=500, out=100, ttft=1.0,

@@ -8,16 +8,10 @@ import statistics
 import orjson
 import pytest
 
-from ramjet.bench.workload import (
-    Agent,
-    TextSource,
-    WorkloadConfig,
-    World,
-    build_team,
-    geometric,
-    lognormal_mean,
-    text_tokens,
-)
+from ramjet.bench.workload import (Agent, TextSource, WorkloadConfig, World, build_team, geometric, lognormal_mean,
+                                   text_tokens)
+
+pytestmark = pytest.mark.unit
 
 
 def drive(agent: Agent, turns: int) -> list:

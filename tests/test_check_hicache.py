@@ -33,6 +33,7 @@ async def run_check(opts: Options = OPTS, confirm=lambda warning: True, **sim) -
 
 # --- mechanics against the simulator ------------------------------------------------------
 
+@pytest.mark.unit
 async def test_host_tier_on_passes_on_the_engines_cache_report():
     warnings = []
     rc, out, ranks = await run_check(confirm=lambda w: warnings.append(w) or True, hicache_tokens_per_rank=16_384)
@@ -45,6 +46,7 @@ async def test_host_tier_on_passes_on_the_engines_cache_report():
     assert ranks[1]["requests"] == 0  # only the chosen rank was flooded
 
 
+@pytest.mark.unit
 async def test_host_tier_off_is_inconclusive_without_flooding():
     rc, out, ranks = await run_check(hicache_tokens_per_rank=0)
     assert rc == EXIT_INCONCLUSIVE
@@ -52,12 +54,14 @@ async def test_host_tier_off_is_inconclusive_without_flooding():
     assert sum(r["requests"] for r in ranks) == 0
 
 
+@pytest.mark.unit
 async def test_host_tier_too_small_means_recomputed_and_inconclusive():
     rc, out, _ = await run_check(hicache_tokens_per_rank=512)  # the flood pushes the prompt out of host memory too
     assert rc == EXIT_INCONCLUSIVE
     assert "INCONCLUSIVE:" in out and "recomputed" in out and "PASS" not in out
 
 
+@pytest.mark.unit
 async def test_prompt_still_on_the_gpu_after_every_round_is_inconclusive():
     opts = Options(prompt_tokens=1500, seed=7, flood_tokens=64, rounds=2)
     # one flood prompt is half the pool in the probe's 4-characters-a-token estimate; its file-path-heavy text
@@ -67,12 +71,14 @@ async def test_prompt_still_on_the_gpu_after_every_round_is_inconclusive():
     assert out.count("still in GPU memory") == 2 and "pass a larger --flood-tokens" in out
 
 
+@pytest.mark.unit
 async def test_refused_confirmation_floods_nothing():
     rc, out, ranks = await run_check(confirm=lambda w: False, hicache_tokens_per_rank=16_384)
     assert rc == EXIT_ERROR and "not run" in out
     assert sum(r["requests"] for r in ranks) == 0
 
 
+@pytest.mark.unit
 async def test_bad_rank_and_oversized_prompt_are_clear_errors():
     with pytest.raises(check_hicache.CheckError, match="outside the engine's ranks 0..1"):
         await run_check(Options(rank=5), hicache_tokens_per_rank=16_384)
@@ -86,6 +92,7 @@ def cli(*argv: str) -> int:
     return check_hicache.run(parser.parse_args(list(argv)))
 
 
+@pytest.mark.e2e
 def test_cli_against_a_sim_subprocess_on_loopback(start_sim, capsys):
     url, _ = start_sim("--dp-size", "2", "--kv-tokens-per-rank", "4096", "--hicache-tokens-per-rank", "16384",
                        "--time-scale", "1000")
@@ -96,6 +103,7 @@ def test_cli_against_a_sim_subprocess_on_loopback(start_sim, capsys):
     assert "pass --yes" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_cli_bad_input(capsys):
     assert cli("localhost:30000", "--yes") == EXIT_ERROR
     assert "must start with http://" in capsys.readouterr().err
@@ -107,6 +115,7 @@ def test_cli_bad_input(capsys):
 
 # --- the simulator reports the tiers as SGLang does ------------------------------------------
 
+@pytest.mark.unit
 async def test_sim_reports_tiers_in_sglext_and_meta_info():
     async with sim_client(kv_tokens_per_rank=2048, hicache_tokens_per_rank=8192, dp_size=1) as (c, _):
         body = chat(filler(1000, 1), max_tokens=1, routed_dp_rank=0, return_cached_tokens_details=True)
@@ -131,6 +140,7 @@ async def test_sim_reports_tiers_in_sglext_and_meta_info():
         assert gen["meta_info"]["cached_tokens"] > 0 and "cached_tokens_details" not in gen["meta_info"]
 
 
+@pytest.mark.unit
 async def test_sim_without_host_tier_sends_no_details():
     async with sim_client(dp_size=1) as (c, _):
         body = chat("x" * 4000, max_tokens=1)
@@ -151,6 +161,7 @@ def answer(arguments=None, name=RECORD_TOOL, content=None) -> dict:
                                                   "tool_calls": calls}}]}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("response,recall,tool", [
     (answer({"codename": "amber-heron-123", "build_number": 45678}), True, True),
     (answer({"codename": "Amber-Heron-123", "build_number": 45678}), True, True),
@@ -169,6 +180,7 @@ def test_judge_recall_and_typed_tool_call(response, recall, tool):
     assert (verdict.recall[0], verdict.tool_call[0]) == (recall, tool), verdict
 
 
+@pytest.mark.unit
 def test_quality_half_judges_the_host_tier_answer():
     """A scripted SGLang-shaped engine: reports a host hit, then answers right (exit 0) or wrong (exit 1)."""
     for wrong, want in ((False, EXIT_PASS), (True, EXIT_FAIL)):
@@ -211,6 +223,7 @@ def test_quality_half_judges_the_host_tier_answer():
 
 # --- evidence from metrics when there is no per-request report --------------------------------
 
+@pytest.mark.unit
 def test_host_counter_per_rank():
     text = ('sglang:cached_tokens_total{cache_source="device",dp_rank="0",model_name="m"} 500.0\n'
             'sglang:cached_tokens_total{cache_source="host",dp_rank="0",model_name="m"} 1200.0\n'
@@ -220,6 +233,7 @@ def test_host_counter_per_rank():
     assert host_cached_tokens('sglang:cached_tokens_total{dp_rank="0",model_name="m"} 5\n', 0) is None
 
 
+@pytest.mark.unit
 def test_classify_without_a_report():
     usage = {"usage": {"prompt_tokens": 2000, "prompt_tokens_details": {"cached_tokens": 1984}}}
     verdict, note = _classify(usage, 1000, host_delta=1984)

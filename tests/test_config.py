@@ -10,6 +10,8 @@ from pydantic import TypeAdapter
 from ramjet.config import FALSE_WORDS, KNOWN_VARS, TRUE_WORDS, ConfigError, Settings, load_settings
 from ramjet.routing.policies import BASES, POLICY_NAMES
 
+pytestmark = pytest.mark.unit
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 UP = {"RJ_UPSTREAM": "http://127.0.0.1:30000"}

@@ -14,6 +14,8 @@ import yaml
 
 from ramjet.balancer.metrics import Metrics
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "ramjet.json"

@@ -1,4 +1,4 @@
-"""Engine-reported load (RJ_ENGINE_LOAD, ramjet.balancer.engine_load): the engine's own figures move routing.
+"""Engine-reported load (RJ_ENGINE_LOAD, ramjet.balancer.cluster.engine_load): the engine's own figures move routing.
 
 Against the real simulator in this event loop (loopback only): requests sent straight to
 one rank, not through the balancer, make it look busy, so new sessions go elsewhere;
@@ -18,30 +18,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness import (
-    BalancerTransport,
-    chat_body,
-    metric_sum,
-    serve_in_process,
-    stack,
-    until,
-)
+from harness import BalancerTransport, chat_body, metric_sum, serve_in_process, stack
+from poll import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from ramjet.balancer import engine_load
-from ramjet.balancer.build import build_balancer
-from ramjet.balancer.engine_report import (
-    Identity,
-    RankFigure,
-    external_units,
-    from_v1_loads,
-    from_vllm_metrics,
-    launch_from_server_info,
-    same_engine,
-)
-from ramjet.balancer.fleet import Fleet
+from ramjet.balancer.cluster import engine_load
+from ramjet.balancer.runtime.build import build_balancer
+from ramjet.balancer.engines.report import (Identity, RankFigure, external_units, from_v1_loads, from_vllm_metrics,
+                                            launch_from_server_info, same_engine)
+from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.metrics import Metrics
-from ramjet.balancer.topology import Replica, build_replicas
+from ramjet.balancer.cluster.topology import Replica, build_replicas
 from ramjet.config import load_settings
 from ramjet.routing.units import DECODE_UNITS
 from ramjet.sim.config import SimConfig
@@ -101,6 +88,7 @@ async def place_new_sessions(s, n: int) -> list[int]:
 # --- what the engine reports, and how it is counted (pure) ------------------------------------
 
 
+@pytest.mark.unit
 def test_the_balancers_own_requests_are_not_counted_twice():
     # The engine runs 3 and queues 2; 3 of the 5 are ours, one of them still before its first byte.
     assert external_units(RankFigure(running=3, waiting=2), own_in_flight=3, own_prefilling=1) == 1 + DECODE_UNITS
@@ -110,6 +98,7 @@ def test_the_balancers_own_requests_are_not_counted_twice():
     assert external_units(RankFigure(running=4, waiting=0), own_in_flight=0, own_prefilling=0) == 4 * DECODE_UNITS
 
 
+@pytest.mark.unit
 def test_the_balancers_own_rank_probes_are_not_load_from_elsewhere():
     # A one-token probe waits in the engine's queue like any request; counted as someone else's it made
     # every probed rank look busier than the one serving the burst, which then took it all.
@@ -122,6 +111,7 @@ def test_the_balancers_own_rank_probes_are_not_load_from_elsewhere():
     assert fleet.loads() == [0.0, 1.0]
 
 
+@pytest.mark.unit
 def test_an_engine_is_the_same_one_only_when_its_signals_say_so():
     started = "process_start_time_seconds=1796026795.1"
     assert same_engine(Identity(started, 100), Identity(started, 50)) is True  # the launch value decides
@@ -132,6 +122,7 @@ def test_an_engine_is_the_same_one_only_when_its_signals_say_so():
     assert Identity.from_saved(Identity(started, 7).to_saved()) == Identity(started, 7)
 
 
+@pytest.mark.unit
 def test_vllm_metrics_from_the_real_engine():
     text = FIXTURE.read_text()
     figures, launch = from_vllm_metrics(text)
@@ -152,6 +143,7 @@ def test_vllm_metrics_from_the_real_engine():
             from_vllm_metrics(bad)
 
 
+@pytest.mark.e2e
 async def test_sglang_loads_and_startup_time_from_the_simulator():
     async with serve_in_process(build_app(SimConfig(dp_size=2, time_scale=1000.0))) as url, \
             httpx.AsyncClient(base_url=url) as c:
@@ -170,6 +162,7 @@ async def test_sglang_loads_and_startup_time_from_the_simulator():
 # --- routing on it ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("source", ["publisher", "v1_loads"])
 async def test_new_sessions_avoid_a_rank_busy_with_requests_from_elsewhere(source):
     sim = {"dp_size": 2, "time_scale": 20.0, **(publishing() if source == "publisher" else {})}
@@ -199,6 +192,7 @@ async def test_new_sessions_avoid_a_rank_busy_with_requests_from_elsewhere(sourc
     assert placements["auto"] == [1] * 6, placements
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("source", ["publisher", "v1_loads"])
 async def test_requests_through_the_balancer_count_once(source):
     # One running slot per rank: of four requests, two run and two queue; all four are the balancer's own.
@@ -214,9 +208,10 @@ async def test_requests_through_the_balancer_count_once(source):
             reports = list(s.balancer.engine_load.reports)
             await until(lambda: all(a >= b + 2 for a, b in zip(s.balancer.engine_load.reports, reports)),
                         "two more reports per replica")
-            for st in s.balancer.fleet.states:
-                assert st.in_flight == 2 and st.external_units == 0
-            assert s.balancer.fleet.loads() == [st.load_units for st in s.balancer.fleet.states]
+            views = [s.balancer.fleet.view(i) for i in range(len(s.balancer.replicas))]
+            for v in views:
+                assert v.in_flight == 2 and v.external_units == 0
+            assert s.balancer.fleet.loads() == [v.load_units for v in views]
         finally:
             for t in sent:
                 t.cancel()
@@ -252,6 +247,7 @@ async def balancer_over(urls: list[str], **rj: str):
         await balancer.stop()
 
 
+@pytest.mark.e2e
 async def test_a_garbage_or_unreachable_source_falls_back_to_own_counts_and_routing_goes_on():
     state = {"garbage": False}
     sim = build_app(SimConfig(dp_size=2, time_scale=20.0))
@@ -282,11 +278,12 @@ async def test_a_garbage_or_unreachable_source_falls_back_to_own_counts_and_rout
             await asyncio.gather(*direct, return_exceptions=True)
 
 
+@pytest.mark.e2e
 async def test_a_silent_publisher_falls_back(monkeypatch):
-    from ramjet.sim import engine as sim_engine
     from ramjet.sim import kv_events as sim_kv_events
+    from ramjet.sim import rank as sim_rank
 
-    for module in (engine_load, sim_engine, sim_kv_events):  # a quicker heartbeat, so silence shows sooner
+    for module in (engine_load, sim_rank, sim_kv_events):  # a quicker heartbeat, so silence shows sooner
         monkeypatch.setattr(module, "HEARTBEAT_S" if module is engine_load else "LOAD_HEARTBEAT_S", 0.1)
     async with stack(sim={"dp_size": 2, "time_scale": 20.0, **publishing()}, **FAST) as s:
         direct = await busy_rank(s.engine_clients[0], 0, 2)
@@ -295,7 +292,7 @@ async def test_a_silent_publisher_falls_back(monkeypatch):
             assert await s.metric("ramjet_engine_load_fallbacks_total", reason="silent") == 0
             s.engines[0].set_fault(0, "wedge")  # rank 0's scheduler stops: its publisher with it
             await until(lambda: s.metric("ramjet_engine_load_fallbacks_total", reason="silent"), "silence counted")
-            assert s.balancer.fleet.loads()[0] == 0 and s.balancer.fleet.states[1].external_units == 0
+            assert s.balancer.fleet.loads()[0] == 0 and s.balancer.fleet.view(1).external_units == 0
             assert await s.metric("ramjet_engine_load_fallbacks_total", reason="silent") == 1  # rank 1 speaks on
         finally:
             s.engines[0].set_fault(0, "none")
@@ -304,6 +301,7 @@ async def test_a_silent_publisher_falls_back(monkeypatch):
             await asyncio.gather(*direct, return_exceptions=True)
 
 
+@pytest.mark.e2e
 async def test_vllm_metrics_are_polled_where_nothing_else_answers():
     text = FIXTURE.read_bytes()
 

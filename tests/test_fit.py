@@ -32,6 +32,7 @@ def row(r: fit.Report, layout: str, tp: int) -> fit.Row:
     return next(x for x in r.rows if x.layout == layout and x.tp == tp)
 
 
+@pytest.mark.unit
 def test_bytes_per_token():
     model = fit.Model.from_config(fit.read_json(CONFIG))
     assert (model.layers, model.indexer_layers, model.listed_indexer_layers) == (78, 21, 21)
@@ -41,6 +42,7 @@ def test_bytes_per_token():
     assert model.bytes_per_token(mla_bytes=656) == 656 * 78 + 132 * 21
 
 
+@pytest.mark.unit
 def test_tp4_vs_tp8_nvfp4():
     r = report(layouts=("tp",))
     tp4, tp8 = row(r, "tp", 4), row(r, "tp", 8)
@@ -53,6 +55,7 @@ def test_tp4_vs_tp8_nvfp4():
     assert (tp4.max_context_fits, tp8.max_context_fits) == (False, True)
 
 
+@pytest.mark.unit
 def test_session_and_max_context_sizes():
     d = report().as_dict()
     assert f"{d['session_gb']:.2f}" == "12.50"
@@ -60,6 +63,7 @@ def test_session_and_max_context_sizes():
     assert f"{d['budget_per_gpu_gb']:.1f}" == "153.6"
 
 
+@pytest.mark.unit
 def test_dcp():
     r = report(layouts=("dcp",), dcp=8)
     assert row(r, "dcp", 4).refused == "dcp 8 does not divide TP 4: refused"
@@ -72,6 +76,7 @@ def test_dcp():
     assert row(r, "dcp", 8).dcp == 8 and row(r, "dcp", 4).dcp == 4
 
 
+@pytest.mark.unit
 def test_fp8_checkpoint():
     r = report(FP8, layouts=("tp",))
     tp4, tp8 = row(r, "tp", 4), row(r, "tp", 8)
@@ -81,17 +86,20 @@ def test_fp8_checkpoint():
     assert f"{tp8.sessions:.2f} {tp8.fleet_tokens / 1e6:.2f}" == "4.73 8.68"
 
 
+@pytest.mark.unit
 def test_checkpoint_size_difference():
     r = report()
     assert f"{r.weights / 1e9:.2f} {r.other_weights / 1e9:.2f}" == "464.12 755.62"
     assert f"{r.smaller_pct:.1f}" == "38.6"
 
 
+@pytest.mark.unit
 def test_flashmla_row_bytes():
     r = report(layouts=("tp",), mla_bytes=656)
     assert f"{row(r, 'tp', 4).sessions:.2f} {row(r, 'tp', 8).sessions:.2f}" == "2.66 6.76"
 
 
+@pytest.mark.unit
 def test_dp_attention_gives_every_rank_a_private_pool():
     r = report(layouts=("tp", "dp-attention"))
     tp8, dp8 = row(r, "tp", 8), row(r, "dp-attention", 8)
@@ -100,17 +108,44 @@ def test_dp_attention_gives_every_rank_a_private_pool():
     assert dp8.max_context_fits  # 95.59 GB per rank holds one 50.02 GB request
 
 
+@pytest.mark.unit
 def test_glm53_fp8_on_h200_dp_attention():
-    """The bundle's engine: 141 GB x 0.85, MTP on. The seed measured ~193,000/rank, 1.55M/server."""
+    """The bundle's engine: 141 GB x 0.85, MTP on, SGLang's FP8 cache in FlashMLA's layout (656 B a layer).
+    The article measured ~193,000 tokens per rank, 1.55M per server."""
     cfg, idx = fit.read_json(CONFIG), fit.read_json(FP8)
-    fitted = fit.fit(cfg, idx, budget=fit.Budget(141, 0.85, 16), tps=(8,), layouts=("dp-attention",), mtp_layers=1)
-    dp8 = fitted.rows[0]
-    assert 185_000 < dp8.tokens_per_pool < 200_000
-    assert f"{dp8.tokens_per_replica / 1e6:.2f}" == "1.55"
-    default = fit.fit(cfg, idx, budget=fit.Budget(141, 0.85), tps=(8,), layouts=("dp-attention",), mtp_layers=1)
-    assert default.rows[0].tokens_per_pool == 276_769  # an upper estimate: 12 GB overhead is an assumption
+
+    def dp8(overhead_gb: float = fit.DEFAULT_OVERHEAD_GB, mla: int = fit.FLASHMLA_FP8_ROW_BYTES) -> fit.Row:
+        return fit.fit(cfg, idx, budget=fit.Budget(141, 0.85, overhead_gb), tps=(8,), layouts=("dp-attention",),
+                       mtp_layers=1, mla_bytes=mla).rows[0]
+
+    assert fit.Model.from_config(cfg).bytes_per_token(656, mtp_layers=1) == 656 * 79 + 132 * 22 == 54_728
+    assert dp8().tokens_per_pool == 244_808  # an upper estimate: 12 GB overhead is an assumption
+    fitted = dp8(fit.H200_FITTED_OVERHEAD_GB)  # the overhead that reproduces the measurement
+    assert fitted.tokens_per_pool == 193_646 and f"{fitted.tokens_per_replica / 1e6:.2f}" == "1.55"
+    # the 576-byte rows of vLLM's FlashInfer layout overstated this engine's pool by 13%
+    assert dp8(mla=576).tokens_per_pool == 276_769
 
 
+@pytest.mark.unit
+def test_sglang_row_bytes_follow_the_cache_dtype():
+    assert fit.sglang_row_bytes("fp8_e4m3") == fit.FLASHMLA_FP8_ROW_BYTES == 512 + 4 * 4 + 64 * 2
+    assert fit.sglang_row_bytes("bfloat16") == fit.sglang_row_bytes("auto") == 576 * 2
+
+
+@pytest.mark.unit
+def test_cli_the_bundle_readme_command(capsys):
+    """deploy/glm53_h200/README.md, "Cache capacity per rank": the command and the two figures it quotes."""
+    args = ["fit", str(CONFIG), str(FP8), "--util", "0.85", "--mtp-layers", "1", "--layout", "dp-attention",
+            "--tp", "8", "--mla-bytes", "656", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bytes_per_token"] == 54_728 and data["rows"][0]["tokens_per_pool"] == 244_808
+    assert main([*args, "--overhead-gb", "14.8"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert (row["tokens_per_pool"], row["tokens_per_replica"]) == (193_646, 1_549_168)
+
+
+@pytest.mark.unit
 def test_indexer_layer_rules():
     assert fit.count_indexer_layers({"index_topk_freq": 4, "index_skip_topk_offset": 3}, 78) == 21
     assert fit.count_indexer_layers({}, 61) == 61  # DeepSeek-V3.2: an indexer on every layer
@@ -119,6 +154,7 @@ def test_indexer_layer_rules():
     assert plain.bytes_per_token() == 576 * 61  # no indexer keys: plain MLA
 
 
+@pytest.mark.e2e
 def test_cli_subprocess_prints_the_published_table():
     p = subprocess.run([sys.executable, "-m", "ramjet", "fit", str(CONFIG), str(NVFP4), str(FP8), "--hbm-gb", "180",
                         "--gpus", "56", "--layout", "tp"], capture_output=True, text=True, timeout=60)
@@ -132,6 +168,7 @@ def test_cli_subprocess_prints_the_published_table():
     assert lines[("tp", "8")][5:12] == ["95.59", "2,003,889", "2,003,889", "7.64", "7", "14.03M", "starts"]
 
 
+@pytest.mark.unit
 def test_cli_json(capsys):
     rc = main(["fit", str(CONFIG), str(FP8), "--hbm-gb", "180", "--gpus", "56", "--layout", "dcp", "--tp", "8",
                "--json"])
@@ -141,6 +178,7 @@ def test_cli_json(capsys):
     assert [(r["layout"], r["tp"], r["dcp"]) for r in data["rows"]] == [("dcp", 8, 8)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args,message", [
     (["missing.json", str(NVFP4)], "cannot read missing.json"),
     ([str(NVFP4), str(NVFP4)], "missing or bad 'num_hidden_layers'"),
@@ -153,6 +191,7 @@ def test_cli_errors_exit_2_with_a_message(capsys, args, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.unit
 def test_cli_rejects_invalid_json(tmp_path, capsys):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

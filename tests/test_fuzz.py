@@ -33,7 +33,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import chat_body, stack, until
+from harness import chat_body, stack
+from poll import until
+
+pytestmark = pytest.mark.e2e
 
 GENERATION = ["/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages"]
 KEY = "fuzz-key"

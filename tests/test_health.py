@@ -9,8 +9,13 @@ from __future__ import annotations
 import asyncio
 import random
 
-from harness import chat_body, stack, until
+import pytest
+
+from harness import chat_body, stack
+from poll import until
 from ramjet.demo.sessions import run_sessions
+
+pytestmark = pytest.mark.e2e
 
 PROBING = dict(upstream_rank_probe="on", health_interval_ms="300", health_timeout_ms="1000",
                upstream_rank_probe_timeout_ms="300")

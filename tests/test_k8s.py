@@ -1,25 +1,26 @@
-"""deploy/k8s: every manifest matches the Kubernetes schema, and the fields that matter say what they must.
+"""deploy/k8s: every manifest matches the Kubernetes schema, `ramjet validate` passes them, and each of its
+Kubernetes rules fails on a copy of the manifests that breaks it.
 
 The schema check is kubernetes-validate's (offline: the package ships the schemas), in strict mode, so
-a misspelt field is an error rather than silently dropped. The field checks are `problems()`, which the
-negative tests below feed broken copies of the manifests to show that it fails.
+a misspelt field is an error rather than silently dropped. The field rules are ramjet's
+(ramjet/ops/rules/k8s_*.py, with balancer-config and termination-grace), run here as an operator runs
+them: `ramjet validate deploy/k8s --compose deploy/glm53_h200`.
 """
 
 from __future__ import annotations
 
-import copy
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import kubernetes_validate  # the dev extra: CI must not skip this file for want of it
 import pytest
 import yaml
 
-from ramjet.config import ConfigError, Settings, load_settings
-from ramjet.config.values import parse_addr
-from ramjet.ops.compose import load_bundle
-from ramjet.ops.rules import engine_flags
-from ramjet.ops.rules_lifecycle import STOP_MARGIN_S, shutdown_ms
-from ramjet.ops.rules_precise import LOAD_FLAG
+from ramjet.cli import main
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -27,131 +28,41 @@ BUNDLE = ROOT / "deploy" / "glm53_h200"
 # An older Kubernetes the manifests must still fit (a topology spread's matchLabelKeys is on by default
 # from 1.27) and the newest schema kubernetes-validate 1.37.0 ships.
 VERSIONS = ("1.30.0", "1.37.0")
-PRECISE_VARS = ("RJ_UPSTREAM_DP_RANKS", "RJ_ROUTE_AFFINITY_BASIS", "RJ_UPSTREAM_RANK_PROBE", "RJ_HEALTH_PATH",
-                "RJ_KV_EVENTS", "RJ_KV_EVENTS_REPLAY_ENDPOINT", "RJ_TOKENIZER", "RJ_STATE_FILE")
+RULES = ("balancer-config", "replicas", "precise-mode", "workers", "selector", "readiness-probe", "liveness-probe",
+         "startup-probe", "hardening", "resources", "spread", "tokenizer-volume", "service", "disruption-budget",
+         "scrape", "kustomization", "image", "compose-settings", "engine-service", "termination-grace")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """The developer's shell must not leak GLM_*/RAMJET_* values into the Compose bundle compared with."""
+    for name in set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", (BUNDLE / "docker-compose.yaml").read_text())):
+        monkeypatch.delenv(name, raising=False)
 
 
 def manifest_files() -> list[Path]:
     return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
-def load(files: list[Path] | None = None) -> dict[tuple[str, str], dict]:
-    """Every resource in deploy/k8s by (kind, name)."""
-    out = {}
-    for path in files or manifest_files():
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                key = (doc["kind"], doc["metadata"]["name"])
-                assert key not in out, f"{key} defined twice"
-                out[key] = doc
-    return out
+def validate(path: Path, *args: str, capsys, compose: bool = True) -> tuple[int, str, str]:
+    rc = main(["validate", str(path), *(["--compose", str(BUNDLE)] if compose else []), *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
-def compose_balancer():
-    return load_bundle(BUNDLE, {}).services["ramjet"]
+def failed_rules(out: str) -> set[str]:
+    return set(re.findall(r"^FAIL ([\w-]+):", out, re.M))
 
 
-# --- the checker -----------------------------------------------------------------------------
-
-def _selects(selector: dict, labels: dict) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-def _port(container: dict, ref: int | str) -> int | None:
-    """A container port given by number or by name."""
-    if isinstance(ref, int):
-        return ref
-    return next((p["containerPort"] for p in container.get("ports", []) if p.get("name") == ref), None)
-
-
-def _window(probe: dict) -> int:
-    """Seconds of failing probes before the kubelet acts (Kubernetes' defaults: period 10, threshold 3)."""
-    return probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
-
-
-def problems(r: dict[tuple[str, str], dict]) -> list[str]:
-    """What is wrong with the balancer's manifests; empty when nothing is."""
-    out: list[str] = []
-    deployment, config = r[("Deployment", "ramjet")], r[("ConfigMap", "ramjet-config")]
-    settings = config.get("data", {})
-    pod = deployment["spec"]["template"]
-    labels, spec = pod["metadata"]["labels"], pod["spec"]
-    (container,) = spec["containers"]
-    api_port = parse_addr(settings.get("RJ_API_ADDR", Settings.model_fields["api_addr"].default))[1]
-    metrics_addr = settings.get("RJ_METRICS_ADDR")
-    metrics_port = parse_addr(metrics_addr)[1] if metrics_addr else None
-
-    if deployment["spec"].get("replicas") != 2:
-        out.append(f"replicas must be 2, got {deployment['spec'].get('replicas')}")
-    if not _selects(deployment["spec"]["selector"]["matchLabels"], labels):
-        out.append("the Deployment's selector does not select its own pods")
-
-    # probes: readiness on the API port's /readyz, liveness on /livez where the connection cap cannot fill it
-    ready, live = container.get("readinessProbe", {}), container.get("livenessProbe", {})
-    get = ready.get("httpGet", {})
-    if get.get("path") != "/readyz" or _port(container, get.get("port")) != api_port:
-        out.append(f"readinessProbe must GET /readyz on the API port {api_port}, got {get}")
-    get = live.get("httpGet", {})
-    if get.get("path") != "/livez" or _port(container, get.get("port")) not in {metrics_port or api_port}:
-        out.append(f"livenessProbe must GET /livez on the metrics port {metrics_port}, got {get}")
-    start = container.get("startupProbe")
-    if start and start.get("httpGet", {}).get("path") != "/livez":
-        out.append("startupProbe must GET /livez: /readyz fails until an engine answers, and that is no start-up "
-                   "failure")
-    if ready and live and not (_window(live) > _window(ready) and live.get("timeoutSeconds", 1) >=
-                               ready.get("timeoutSeconds", 1) and live.get("failureThreshold", 3) >=
-                               ready.get("failureThreshold", 3)):
-        out.append(f"livenessProbe must be less aggressive than readinessProbe: {_window(live)} s against "
-                   f"{_window(ready)} s, timeouts {live.get('timeoutSeconds', 1)} and {ready.get('timeoutSeconds', 1)}")
-
-    # shutdown: the kubelet must wait for the drain and the grace
-    drain, grace = shutdown_ms(settings, "shutdown_drain_ms"), shutdown_ms(settings, "shutdown_grace_ms")
-    need = (drain + grace) / 1000 + STOP_MARGIN_S
-    period = spec.get("terminationGracePeriodSeconds", 30)
-    if period < need:
-        out.append(f"terminationGracePeriodSeconds {period} < RJ_SHUTDOWN_DRAIN_MS {drain} + RJ_SHUTDOWN_GRACE_MS "
-                   f"{grace} + {STOP_MARGIN_S:g} s")
-
-    # the Service, the disruption budget and Prometheus find these pods and the right ports
-    service, pdb = r[("Service", "ramjet")], r[("PodDisruptionBudget", "ramjet")]
-    if not _selects(service["spec"].get("selector", {}), labels):
-        out.append("the Service ramjet does not select the balancer's pods")
-    if [_port(container, p.get("targetPort", p["port"])) for p in service["spec"]["ports"]] != [api_port]:
-        out.append(f"the Service ramjet must lead to the API port {api_port} only")
-    if not _selects(pdb["spec"]["selector"].get("matchLabels", {}), labels):
-        out.append("the PodDisruptionBudget does not select the balancer's pods")
-    if pdb["spec"].get("minAvailable") != 1 or "maxUnavailable" in pdb["spec"]:
-        out.append("the PodDisruptionBudget must keep minAvailable 1")
-    notes = pod["metadata"].get("annotations", {})
-    if notes.get("prometheus.io/scrape") != "true" or notes.get("prometheus.io/path", "/metrics") != "/metrics":
-        out.append("the pods need prometheus.io/scrape: \"true\" and path /metrics")
-    if int(notes.get("prometheus.io/port", 0)) not in {api_port, metrics_port}:
-        out.append(f"prometheus.io/port {notes.get('prometheus.io/port')} serves no /metrics (the API port "
-                   f"{api_port} and the metrics port {metrics_port} do)")
-
-    # the image, the settings and the hardening
-    image = compose_balancer().image
-    if container.get("image") != image:
-        out.append(f"image {container.get('image')} is not the Compose bundle's balancer image {image}")
-    if {"configMapRef": {"name": "ramjet-config"}} not in container.get("envFrom", []):
-        out.append("the container does not read the ConfigMap ramjet-config")
-    hard = container.get("securityContext", {})
-    if not (spec.get("securityContext", {}).get("runAsNonRoot") and hard.get("readOnlyRootFilesystem")
-            and hard.get("allowPrivilegeEscalation") is False and hard.get("capabilities", {}).get("drop") == ["ALL"]):
-        out.append("the container must run as non-root, read-only, without privilege escalation or capabilities")
-    resources = container.get("resources", {})
-    if any(k not in resources.get(kind, {}) for kind in ("requests", "limits") for k in ("cpu", "memory")):
-        out.append("cpu and memory need both requests and limits")
-    spread = spec.get("topologySpreadConstraints", [])
-    if not any(c["topologyKey"] == "kubernetes.io/hostname" and c["whenUnsatisfiable"] == "DoNotSchedule"
-               for c in spread):
-        out.append("the two replicas must be spread across nodes")
-    tokenizer = settings.get("RJ_TOKENIZER", "")
-    mount = next((m for m in container.get("volumeMounts", []) if tokenizer.startswith(m["mountPath"])), None)
-    volume = next((v for v in spec.get("volumes", []) if mount and v["name"] == mount["name"]), {})
-    if not (mount and mount.get("readOnly") and volume.get("persistentVolumeClaim", {}).get("readOnly", True)):
-        out.append(f"RJ_TOKENIZER {tokenizer} must be on a volume mounted read-only")
-    return out
+def broken(tmp_path: Path, change: Callable[[dict], object]) -> Path:
+    """A copy of deploy/k8s with `change` applied to its documents, given by (kind, name)."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    files = {p: list(yaml.safe_load_all(p.read_text())) for p in sorted(copy.glob("*.yaml"))}
+    change({(doc["kind"], doc.get("metadata", {}).get("name")): doc for docs in files.values() for doc in docs})
+    for path, docs in files.items():
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return copy
 
 
 # --- the shipped manifests --------------------------------------------------------------------
@@ -163,116 +74,188 @@ def test_manifest_matches_the_kubernetes_schema(path, version):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_the_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert kustomization["kind"] == "Kustomization"
-    assert sorted(kustomization["resources"]) == [p.name for p in manifest_files()]
+def test_shipped_manifests_pass(capsys):
+    rc, out, _ = validate(K8S, capsys=capsys)
+    assert rc == 0, out
+    for rule in RULES:
+        assert f"OK {rule}:" in out
+    assert f"OK: {len(RULES)} rules pass" in out
+    assert "OK engine-service: the Service glm53-engine carries port(s) 5557..5564, 5657..5664, 5757..5764, 30000" in out
 
 
-def test_the_fields_that_matter():
-    assert problems(load()) == []
+def test_shipped_manifests_pass_alone_skipping_the_comparisons(capsys):
+    rc, out, _ = validate(K8S, capsys=capsys, compose=False)
+    assert rc == 0, out
+    assert "SKIP image: pass --compose DIR" in out and "SKIP compose-settings: pass --compose DIR" in out
+    assert "OK engine-service: the Service glm53-engine carries port(s) 30000 (pass --compose DIR" in out
+    assert f"OK: {len(RULES) - 2} rules pass" in out
 
 
-def test_the_configmap_is_settings_the_balancer_accepts(tmp_path):
-    settings = load()[("ConfigMap", "ramjet-config")]["data"]
-    assert all(isinstance(v, str) for v in settings.values())  # a ConfigMap holds strings only
-    (tmp_path / "tokenizer.json").touch()  # RJ_TOKENIZER is a path inside the pod: a stand-in here
-    loaded = load_settings({**settings, "RJ_TOKENIZER": str(tmp_path), "RJ_API_KEYS": "k"})
-    assert (loaded.kv_events, loaded.engine_load, loaded.workers) == ("zmq", "auto", 1)
-    with pytest.raises(ConfigError, match="RJ_SHUTDOWN_GRACE"):
-        load_settings({**settings, "RJ_TOKENIZER": str(tmp_path), "RJ_SHUTDOWN_GRACE": "1"})
+# --- every rule can fail --------------------------------------------------------------------------
 
-
-def test_precise_mode_is_configured_as_in_the_compose_bundle():
-    """Two balancers agree through precise mode: the same variables as the measured single-server bundle."""
-    settings = load()[("ConfigMap", "ramjet-config")]["data"]
-    compose = compose_balancer().environment
-    assert {k: settings.get(k) for k in PRECISE_VARS} == {k: compose.get(k) for k in PRECISE_VARS}
-    for name in ("RJ_SHUTDOWN_DRAIN_MS", "RJ_SHUTDOWN_GRACE_MS", "RJ_ENGINE_LOAD"):
-        assert settings[name] == compose[name]
-
-
-def test_the_engine_service_reaches_every_port_the_balancer_uses():
-    """RJ_UPSTREAM names the engine's Service; it must carry the API port and every rank's event, replay and
-    load port, as the Compose bundle's engine opens them."""
-    resources = load()
-    settings = resources[("ConfigMap", "ramjet-config")]["data"]
-    upstreams = settings["RJ_UPSTREAM"].split(",")
-    assert len(set(upstreams)) == 1 and len(upstreams) == len(settings["RJ_UPSTREAM_DP_RANKS"].split(","))
-    host, port = upstreams[0].removeprefix("http://").split(":")
-    service = resources[("Service", host)]
-    flags = engine_flags(load_bundle(BUNDLE, {}).services["engine"].argv)
-    dp = int(flags["--dp-size"])
-    events = yaml.safe_load(flags["--kv-events-config"])
-    bases = [int(events["endpoint"].rpartition(":")[2]), int(events["replay_endpoint"].rpartition(":")[2]),
-             int(flags[LOAD_FLAG].rpartition(":")[2])]
-    want = {int(port)} | {base + rank for base in bases for rank in range(dp)}
-    assert {p["port"] for p in service["spec"]["ports"]} == want
-    assert settings["RJ_KV_EVENTS_REPLAY_ENDPOINT"] == f"tcp://{{host}}:{bases[1]}"
-
-
-# --- the checks can fail ------------------------------------------------------------------------
-
-def _container(r):
-    return r[("Deployment", "ramjet")]["spec"]["template"]["spec"]["containers"][0]
+def _deployment(r):
+    return r[("Deployment", "ramjet")]
 
 
 def _spec(r):
-    return r[("Deployment", "ramjet")]["spec"]["template"]["spec"]
+    return _deployment(r)["spec"]["template"]["spec"]
 
 
+def _container(r):
+    return _spec(r)["containers"][0]
+
+
+def _settings(r):
+    return r[("ConfigMap", "ramjet-config")]["data"]
+
+
+# what breaks, the rules that must fail (and no other), what the FAIL line of the first must mention
 BREAKS = [
-    ("one replica", lambda r: r[("Deployment", "ramjet")]["spec"].update(replicas=1), "replicas must be 2"),
+    ("one replica", lambda r: _deployment(r)["spec"].update(replicas=1), {"replicas"}, "replicas must be 2, got 1"),
+    ("a typo in the settings", lambda r: _settings(r).update(RJ_HEALTH_PAHT="/health"), {"balancer-config"},
+     "RJ_HEALTH_PAHT: unknown variable"),
+    ("settings from a ConfigMap that is not there", lambda r: _container(r)["envFrom"][0]["configMapRef"].update(
+        name="ramjet-settings"), {"balancer-config"}, "envFrom: ConfigMap ramjet-settings is not in"),
+    ("approximate mode", lambda r: _settings(r).update(RJ_KV_EVENTS="off"), {"precise-mode"},
+     "RJ_KV_EVENTS must be zmq, got off: each replica would learn only the turns it routed"),
+    ("engine load off", lambda r: _settings(r).update(RJ_ENGINE_LOAD="off"), {"precise-mode", "compose-settings"},
+     "RJ_ENGINE_LOAD must be auto, got off"),
+    ("two processes a pod", lambda r: _settings(r).update(RJ_WORKERS="2"), {"workers"}, "RJ_WORKERS must be 1, got 2"),
+    ("a selector that misses the pods", lambda r: _deployment(r)["spec"]["selector"]["matchLabels"].update(
+        {"app.kubernetes.io/component": "router"}), {"selector"}, "does not select its own pods"),
     ("readiness on /health", lambda r: _container(r)["readinessProbe"]["httpGet"].update(path="/health"),
-     "readinessProbe must GET /readyz"),
+     {"readiness-probe"}, "readinessProbe must GET /readyz"),
     ("readiness on the metrics port", lambda r: _container(r)["readinessProbe"]["httpGet"].update(port="metrics"),
-     "readinessProbe must GET /readyz on the API port 8000"),
+     {"readiness-probe"}, "readinessProbe must GET /readyz on the API port 8000"),
     ("liveness on /readyz", lambda r: _container(r)["livenessProbe"]["httpGet"].update(path="/readyz"),
-     "livenessProbe must GET /livez"),
+     {"liveness-probe"}, "livenessProbe must GET /livez"),
     ("liveness on the API port", lambda r: _container(r)["livenessProbe"]["httpGet"].update(port=8000),
-     "livenessProbe must GET /livez on the metrics port 9090"),
+     {"liveness-probe"}, "livenessProbe must GET /livez on the metrics port 9090"),
     ("liveness quicker than readiness", lambda r: _container(r)["livenessProbe"].update(failureThreshold=1),
-     "less aggressive than readinessProbe: 10 s against 10 s"),
+     {"liveness-probe"}, "less aggressive than readinessProbe: 10 s against 10 s"),
     ("startup on /readyz", lambda r: _container(r)["startupProbe"]["httpGet"].update(path="/readyz"),
-     "startupProbe must GET /livez"),
-    ("default grace period", lambda r: _spec(r).pop("terminationGracePeriodSeconds"),
+     {"startup-probe"}, "startupProbe must GET /livez"),
+    ("default grace period", lambda r: _spec(r).pop("terminationGracePeriodSeconds"), {"termination-grace"},
      "terminationGracePeriodSeconds 30 < RJ_SHUTDOWN_DRAIN_MS 5000 + RJ_SHUTDOWN_GRACE_MS 60000 + 10 s"),
-    ("a longer grace in the ConfigMap", lambda r: r[("ConfigMap", "ramjet-config")]["data"].update(
-        RJ_SHUTDOWN_GRACE_MS="120000"), "terminationGracePeriodSeconds 75 < RJ_SHUTDOWN_DRAIN_MS 5000"),
+    ("a longer grace in the ConfigMap", lambda r: _settings(r).update(RJ_SHUTDOWN_GRACE_MS="120000"),
+     {"termination-grace", "compose-settings"}, "terminationGracePeriodSeconds 75 < RJ_SHUTDOWN_DRAIN_MS 5000"),
+    # the balancer's defaults are the Compose bundle's values, so only the period is wrong
     ("grace settings left to their defaults, and a short period", lambda r: (
-        [r[("ConfigMap", "ramjet-config")]["data"].pop(k) for k in ("RJ_SHUTDOWN_DRAIN_MS", "RJ_SHUTDOWN_GRACE_MS")],
-        _spec(r).update(terminationGracePeriodSeconds=60)),
+        [_settings(r).pop(k) for k in ("RJ_SHUTDOWN_DRAIN_MS", "RJ_SHUTDOWN_GRACE_MS")],
+        _spec(r).update(terminationGracePeriodSeconds=60)), {"termination-grace"},
      "terminationGracePeriodSeconds 60 < RJ_SHUTDOWN_DRAIN_MS 5000 + RJ_SHUTDOWN_GRACE_MS 60000"),
     ("PDB selects other pods", lambda r: r[("PodDisruptionBudget", "ramjet")]["spec"]["selector"]["matchLabels"]
-     .update({"app.kubernetes.io/component": "router"}), "the PodDisruptionBudget does not select"),
+     .update({"app.kubernetes.io/component": "router"}), {"disruption-budget"},
+     "no PodDisruptionBudget selects the balancer's pods"),
     ("PDB allows no disruption", lambda r: r[("PodDisruptionBudget", "ramjet")]["spec"].update(minAvailable=2),
-     "minAvailable 1"),
+     {"disruption-budget"}, "the PodDisruptionBudget ramjet must keep minAvailable 1"),
     ("Service selects other pods", lambda r: r[("Service", "ramjet")]["spec"]["selector"].update(
-        {"app.kubernetes.io/name": "ramjet-old"}), "the Service ramjet does not select"),
+        {"app.kubernetes.io/name": "ramjet-old"}), {"service"}, "no Service selects the balancer's pods"),
     ("Service to the metrics port", lambda r: r[("Service", "ramjet")]["spec"]["ports"][0].update(
-        targetPort="metrics"), "must lead to the API port 8000"),
-    ("scrape a port without /metrics", lambda r: r[("Deployment", "ramjet")]["spec"]["template"]["metadata"]
-     ["annotations"].update({"prometheus.io/port": "9091"}), "prometheus.io/port 9091 serves no /metrics"),
-    ("metrics listener moved", lambda r: r[("ConfigMap", "ramjet-config")]["data"].update(
-        RJ_METRICS_ADDR="0.0.0.0:9100"), "prometheus.io/port 9090 serves no /metrics"),
-    ("another image", lambda r: _container(r).update(image="ramjet-py:latest"),
-     "is not the Compose bundle's balancer image ramjet-py:0.1.0"),
+        targetPort="metrics"), {"service"}, "the Service ramjet must lead to the API port 8000 only, got [9090]"),
+    ("scrape a port without /metrics", lambda r: _deployment(r)["spec"]["template"]["metadata"]["annotations"]
+     .update({"prometheus.io/port": "9091"}), {"scrape"}, "prometheus.io/port 9091 serves no /metrics"),
+    ("metrics listener moved", lambda r: _settings(r).update(RJ_METRICS_ADDR="0.0.0.0:9100"),
+     {"scrape", "liveness-probe"}, "prometheus.io/port 9090 serves no /metrics"),
+    ("another image", lambda r: _container(r).update(image="ramjet-py:latest"), {"image"},
+     "image ramjet-py:latest is not the Compose bundle's balancer image ramjet-py:0.1.0"),
     ("writable root", lambda r: _container(r)["securityContext"].update(readOnlyRootFilesystem=False),
-     "read-only"),
-    ("no memory limit", lambda r: _container(r)["resources"]["limits"].pop("memory"), "requests and limits"),
-    ("writable tokenizer", lambda r: _container(r)["volumeMounts"][0].pop("readOnly"),
+     {"hardening"}, "read-only"),
+    ("root allowed", lambda r: _spec(r)["securityContext"].pop("runAsNonRoot"), {"hardening"}, "non-root"),
+    ("no memory limit", lambda r: _container(r)["resources"]["limits"].pop("memory"), {"resources"},
+     "requests and limits"),
+    ("writable tokenizer", lambda r: _container(r)["volumeMounts"][0].pop("readOnly"), {"tokenizer-volume"},
      "RJ_TOKENIZER /models/GLM-5.3 must be on a volume mounted read-only"),
-    ("both on one node", lambda r: _spec(r).pop("topologySpreadConstraints"), "spread across nodes"),
+    ("both on one node", lambda r: _spec(r).pop("topologySpreadConstraints"), {"spread"}, "spread across nodes"),
+    ("another affinity basis", lambda r: _settings(r).update(RJ_ROUTE_AFFINITY_BASIS="absolute"),
+     {"compose-settings"}, "RJ_ROUTE_AFFINITY_BASIS is absolute here but relative in the Compose bundle"),
+    ("an engine port missing", lambda r: r[("Service", "glm53-engine")]["spec"]["ports"].pop(4),
+     {"engine-service"}, "the Service glm53-engine lacks port(s) 5560:"),
+    ("replay on the wrong port", lambda r: _settings(r).update(RJ_KV_EVENTS_REPLAY_ENDPOINT="tcp://{host}:5658"),
+     {"engine-service", "compose-settings"},
+     "RJ_KV_EVENTS_REPLAY_ENDPOINT 'tcp://{host}:5658' has port 5658, but the engine's --kv-events-config "
+     "replay_endpoint is on 5657"),
+    ("two engines", lambda r: _settings(r).update(RJ_UPSTREAM="http://engine-b:30000," + ",".join(
+        ["http://glm53-engine:30000"] * 7)), {"engine-service"}, "RJ_UPSTREAM names 2 hosts"),
+    ("a manifest left out of the kustomization", lambda r: r[("Kustomization", None)]["resources"].remove(
+        "pdb.yaml"), {"kustomization"}, "pdb.yaml is not in its resources: kubectl apply -k would leave it out"),
 ]
 
 
-@pytest.mark.parametrize("name,breaking,mention", BREAKS, ids=[b[0] for b in BREAKS])
-def test_a_broken_copy_is_rejected(name, breaking, mention):
-    resources = copy.deepcopy(load())
-    breaking(resources)
-    found = problems(resources)
-    assert any(mention in p for p in found), found
+@pytest.mark.parametrize("name,change,rules,mention", BREAKS, ids=[b[0] for b in BREAKS])
+def test_a_broken_copy_fails_naming_its_rule(tmp_path, capsys, name, change, rules, mention):
+    rc, out, _ = validate(broken(tmp_path, change), capsys=capsys)
+    assert rc == 1 and failed_rules(out) == rules, out
+    assert any(mention in line for line in out.splitlines() if line.startswith("FAIL ")), out
 
+
+def test_every_rule_has_a_copy_that_breaks_it():
+    assert {rule for *_, rules, _ in BREAKS for rule in rules} == set(RULES)
+
+
+def test_unloadable_settings_skip_the_rules_that_read_them(tmp_path, capsys):
+    rc, out, _ = validate(broken(tmp_path, lambda r: _settings(r).update(RJ_SHUTDOWN_GRACE_MS="a minute")),
+                          capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"balancer-config"}, out
+    assert "RJ_SHUTDOWN_GRACE_MS='a minute'" in out
+    assert "SKIP termination-grace: reads the balancer's RJ_* settings, which do not load (see balancer-config)" in out
+
+
+def test_an_engine_outside_the_cluster_is_not_checked_here(tmp_path, capsys):
+    copy = broken(tmp_path, lambda r: r[("Kustomization", None)]["resources"].remove("engine-service.yaml"))
+    (copy / "engine-service.yaml").unlink()
+    rc, out, _ = validate(copy, capsys=capsys)
+    assert rc == 0, out
+    assert "SKIP engine-service: RJ_UPSTREAM's host glm53-engine is no Service in" in out
+
+
+def test_manifests_without_a_kustomization_are_found_by_their_kind(tmp_path, capsys):
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    (copy / "kustomization.yaml").unlink()
+    rc, out, _ = validate(copy, capsys=capsys)
+    assert rc == 0 and "SKIP kustomization: no kustomization.yaml" in out, out
+
+
+def test_garbled_fields_fail_without_a_traceback(tmp_path, capsys):
+    """The schema is checked in the tests only; the rules must still answer for any shape of document."""
+    def garble(r):
+        _deployment(r)["spec"].update(replicas="two", selector=[])
+        _spec(r).update(terminationGracePeriodSeconds="75", securityContext="strict", topologySpreadConstraints={})
+        _container(r).update(livenessProbe=[], readinessProbe={"httpGet": "/readyz"}, resources=None, ports="8000",
+                             volumeMounts=[None, 3])
+        r[("Service", "ramjet")]["spec"] = {"ports": "8000"}
+        _deployment(r)["spec"]["template"]["metadata"]["annotations"] = {"prometheus.io/port": "nine"}
+    rc, out, _ = validate(broken(tmp_path, garble), capsys=capsys)
+    assert rc == 1 and {"replicas", "selector", "termination-grace", "hardening", "spread", "liveness-probe",
+                        "readiness-probe", "resources", "tokenizer-volume", "service", "scrape"} <= failed_rules(out)
+
+
+def test_no_balancer_deployment_fails(tmp_path, capsys):
+    shutil.copy(K8S / "engine-service.yaml", tmp_path)
+    rc, out, _ = validate(tmp_path, capsys=capsys)
+    assert rc == 1 and failed_rules(out) == {"deployment"}, out
+
+
+@pytest.mark.parametrize("text,message", [
+    ("kind: Service\nmetadata: {name: a\n", "is not valid YAML"),
+    ("kind: Service\nspec: {}\n", "document 1 has no kind and metadata.name"),
+    ("kind: Service\nmetadata: {name: a}\n---\nkind: Service\nmetadata: {name: a}\n", "Service a is defined twice"),
+])
+def test_unreadable_manifests_exit_2_with_a_message(tmp_path, capsys, text, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    rc, _, err = validate(tmp_path, capsys=capsys)
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_options_of_the_other_kind_are_refused(capsys):
+    rc, _, err = validate(K8S, "--host-ram-gb", "2048", capsys=capsys)
+    assert rc == 2 and "--host-ram-gb check a Compose bundle; " in err
+    rc, _, err = validate(BUNDLE, capsys=capsys)  # with --compose BUNDLE
+    assert rc == 2 and "--compose compares Kubernetes manifests with a Compose bundle" in err
+
+
+# --- the schema check ------------------------------------------------------------------------------
 
 def test_a_misspelt_field_fails_the_schema(tmp_path):
     """What kubectl would drop with a warning (or refuse) the schema check refuses: `readinesProbe`."""
@@ -298,5 +281,6 @@ def test_the_schema_check_needs_no_network(monkeypatch):
 
     monkeypatch.setattr(socket, "create_connection", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    for doc in load().values():
-        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    for path in manifest_files():
+        for doc in yaml.safe_load_all(path.read_text()):
+            kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)

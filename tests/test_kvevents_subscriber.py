@@ -166,6 +166,7 @@ async def started(engine: FakeEngine, stream: EventStream, replay: bool = True):
 # ----------------------------------------------------------------------------- against a publisher
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("framing", ["vllm", "sglang"])
 async def test_batches_arrive_in_order_exactly_once(engines, ctx, framing):
     engine = engines(framing=framing)
@@ -181,6 +182,7 @@ async def test_batches_arrive_in_order_exactly_once(engines, ctx, framing):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_recorded_vllm_frames_stream_through(engines, ctx):
     replay = json.loads((Path(__file__).parent / "fixtures" / "kv-events" / "vllm" / "replay-rank0.json").read_text())
     engine = engines(framing="vllm")
@@ -195,6 +197,7 @@ async def test_recorded_vllm_frames_stream_through(engines, ctx):
     stream.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("framing", ["vllm", "sglang"])
 async def test_a_gap_is_replayed_in_order(engines, ctx, framing):
     engine = engines(framing=framing)
@@ -209,6 +212,7 @@ async def test_a_gap_is_replayed_in_order(engines, ctx, framing):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_replay_that_does_not_reach_back_is_partial(engines, ctx):
     engine = engines(framing="sglang", buffer_steps=2)
     stream = EventStream(engine.endpoints(), context=ctx)
@@ -221,6 +225,7 @@ async def test_a_replay_that_does_not_reach_back_is_partial(engines, ctx):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_start_up_replays_from_zero_drops_duplicates_and_says_partial(engines, ctx):
     engine = engines(framing="vllm", buffer_steps=6)
     await engine.publish(10)  # before anyone listened
@@ -242,6 +247,7 @@ def ts_of(seq: int, epoch: int = 0) -> float:
     return msgpack.unpackb(batch_payload(seq, epoch))[0]
 
 
+@pytest.mark.e2e
 async def test_a_resumed_stream_is_vouched_for_by_its_last_batch(engines, ctx):
     engine = engines(framing="sglang")
     await engine.publish(5)
@@ -252,6 +258,7 @@ async def test_a_resumed_stream_is_vouched_for_by_its_last_batch(engines, ctx):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_resumed_stream_whose_last_batch_is_gone_is_partial(engines, ctx):
     engine = engines(framing="vllm", buffer_steps=2)
     await engine.publish(5)  # the buffer holds 3 and 4
@@ -262,6 +269,7 @@ async def test_a_resumed_stream_whose_last_batch_is_gone_is_partial(engines, ctx
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_resumed_stream_from_a_restarted_engine_is_a_restart(engines, ctx):
     engine = engines(framing="vllm")
     engine.epoch = 1  # the engine restarted since the view was saved, and has numbered past batch 2 again
@@ -273,6 +281,7 @@ async def test_a_resumed_stream_from_a_restarted_engine_is_a_restart(engines, ct
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_publisher_that_goes_away_is_forgotten_and_its_new_stream_read_from_zero(engines, ctx):
     engine = engines(framing="vllm")
     stream = EventStream(engine.endpoints(), context=ctx)
@@ -292,6 +301,7 @@ async def test_a_publisher_that_goes_away_is_forgotten_and_its_new_stream_read_f
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_sequence_that_goes_back_on_the_same_connection_is_a_restart(engines, ctx):
     engine = engines(framing="vllm")
     stream = EventStream(engine.endpoints(), context=ctx)
@@ -314,6 +324,7 @@ async def test_a_sequence_that_goes_back_on_the_same_connection_is_a_restart(eng
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_silence_then_recovery(engines, ctx):
     engine = engines(framing="sglang")
     stream = EventStream(engine.endpoints(), context=ctx, silence_s=0.3)
@@ -325,6 +336,7 @@ async def test_silence_then_recovery(engines, ctx):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_no_replay_endpoint_still_works_live(engines, ctx):
     engine = engines(framing="vllm")
     await engine.publish(2)  # missed: nobody was listening, and there is nothing to ask
@@ -337,6 +349,7 @@ async def test_no_replay_endpoint_still_works_live(engines, ctx):
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_a_mute_replay_endpoint_times_out_and_the_stream_goes_on(engines, ctx):
     engine = engines(framing="sglang", answer_replays=False)
     stream = EventStream(engine.endpoints(), context=ctx, replay_timeout_s=0.3)
@@ -348,6 +361,7 @@ async def test_a_mute_replay_endpoint_times_out_and_the_stream_goes_on(engines, 
     stream.close()
 
 
+@pytest.mark.e2e
 async def test_close_ends_the_iterator_and_releases_the_sockets(engines, ctx):
     engine = engines(framing="vllm")
     stream = EventStream(engine.endpoints(), context=ctx)
@@ -371,6 +385,7 @@ async def test_close_ends_the_iterator_and_releases_the_sockets(engines, ctx):
 # ----------------------------------------------------------------------------- the sequencer, directly
 
 
+@pytest.mark.unit
 def test_sequencer_orders_drops_and_restarts():
     s = Sequencer()
     assert [s.live(0, 0.0), s.live(1, 1.0)] == [Verdict.DELIVER, Verdict.DELIVER]
@@ -384,6 +399,7 @@ def test_sequencer_orders_drops_and_restarts():
     assert [s.replayed(2, 9.0), s.settle(3)] == [Verdict.HOLE, Verdict.DELIVER]
 
 
+@pytest.mark.unit
 def test_sequencer_tells_a_restart_from_a_replayed_duplicate_by_timestamp():
     s = Sequencer()
     for seq in range(5):
@@ -396,9 +412,10 @@ def test_sequencer_tells_a_restart_from_a_replayed_duplicate_by_timestamp():
         Sequencer(start_seq=-1)
 
 
+@pytest.mark.e2e
 async def test_a_bound_stream_receives_from_a_publisher_that_connects(ctx):
     # vLLM's publisher connects to a non-wildcard endpoint: the subscriber binds it.
-    from ramjet.demo.procs import free_port
+    from ramjet.bench.procs import free_port
     port = free_port()
     stream = EventStream(Endpoints(events=f"tcp://127.0.0.1:{port}", topic=b"kv", bind=True), context=ctx)
     items = stream.items()

@@ -52,6 +52,7 @@ def _pack(obj) -> bytes:
 # ----------------------------------------------------------------------------- vLLM 0.32, captured
 
 
+@pytest.mark.unit
 def test_vllm_live_frames_decode_with_per_publisher_sequences_and_ranks():
     by_rank = _live_by_rank()
     assert sorted(by_rank) == [0, 1]
@@ -62,6 +63,7 @@ def test_vllm_live_frames_decode_with_per_publisher_sequences_and_ranks():
     assert all(m["frames_b64"][0] == base64.b64encode(b"kv").decode() for m in LIVE)
 
 
+@pytest.mark.unit
 def test_vllm_block_stored_fields_chain_and_match_the_engines_cached_tokens():
     cached_next_turn = {0: [160, 224], 1: [160, 224]}  # README: cached_tokens of turns 2 and 3
     for rank, batches in _live_by_rank().items():
@@ -85,6 +87,7 @@ def test_vllm_block_stored_fields_chain_and_match_the_engines_cached_tokens():
         assert stored == cached_next_turn[rank]
 
 
+@pytest.mark.unit
 def test_vllm_replay_reply_frames_and_end_marker():
     decoded = [decode_replay(_frames(m)) for m in REPLAY]
     assert decoded[-1] is None  # [b"", b"", -1, b""]
@@ -97,6 +100,7 @@ def test_vllm_replay_reply_frames_and_end_marker():
     assert all(batches[s] == live[s] for s in (2, 3, 4))
 
 
+@pytest.mark.unit
 def test_the_replay_shapes_a_dealer_may_see_all_decode_alike():
     payload = _frames(REPLAY[2])[3]
     expected = decode_payload(payload, 2)
@@ -110,6 +114,7 @@ def test_the_replay_shapes_a_dealer_may_see_all_decode_alike():
 # ----------------------------------------------------------------------------- SGLang 0.5.20, its own structs
 
 
+@pytest.mark.unit
 def test_sglang_payloads_decode_to_their_recorded_form():
     stored, moved, cleared = (decode_payload(base64.b64decode(b["payload_b64"]), i)
                               for i, b in enumerate(SGLANG_BATCHES))
@@ -125,6 +130,7 @@ def test_sglang_payloads_decode_to_their_recorded_form():
     assert decode_live([b"", SEQ7, frames[2]]).seq == 7
 
 
+@pytest.mark.unit
 def test_sglang_optional_fields_cache_salt_and_session_id():
     event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [5],
              "block_size": 1, "lora_id": 3, "medium": "CPU_PINNED", "cache_salt": "tenant-a", "session_id": "s1",
@@ -139,6 +145,7 @@ def test_sglang_optional_fields_cache_salt_and_session_id():
 # ----------------------------------------------------------------------------- older releases: tagged arrays
 
 
+@pytest.mark.unit
 def test_tagged_arrays_of_older_vllm_and_sglang_releases():
     oldest = [1.5, [["BlockStored", [10, 11], None, [1, 2, 3, 4], 2, None],  # vLLM 0.9.0, no rank, no medium
                     ["BlockRemoved", [10]], ["AllBlocksCleared"]]]
@@ -156,6 +163,7 @@ def test_tagged_arrays_of_older_vllm_and_sglang_releases():
     assert (got.cache_salt, got.session_id, got.lora_name) == ("t", "s", None)
 
 
+@pytest.mark.unit
 def test_unknown_event_types_are_skipped_and_counted():
     batch = decode_payload(_pack([1.0, [{"type": "BlockPinned", "x": 1}, ["Compacted", 3],
                                         {"type": "AllBlocksCleared"}], 0]), 0)
@@ -166,6 +174,7 @@ def test_unknown_event_types_are_skipped_and_counted():
 # ----------------------------------------------------------------------------- garbage
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("payload", [
     b"", b"\x93\xcb", b"\xc1", b"not msgpack at all", _pack({"ts": 1}), _pack([1.0]), _pack(["t", [], 0]),
     _pack([1.0, {"events": 1}, 0]), _pack([1.0, [], "rank"]), _pack([1.0, [5], 0]), _pack([1.0, [[]], 0]),
@@ -182,6 +191,7 @@ def test_garbage_payloads_raise_one_wire_error(payload):
         decode_payload(payload, 0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("frames", [
     None, b"kv", [], [b"kv"], [b"kv", SEQ7], [b"kv", b"\x00" * 7, _pack([1.0, [], 0])], [b"kv", SEQ7, b"\xc1"],
     [b"kv", SEQ7, _pack([1.0, [], 0]), b"extra"], [b"kv", END, b""], [b"kv", 7, _pack([1.0, [], 0])],
@@ -191,6 +201,7 @@ def test_garbage_live_frames_raise_one_wire_error(frames):
         decode_live(frames)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("frames", [
     [], [SEQ7], [b"x", b"kv", SEQ7, _pack([1.0, [], 0])], [b"", b"kv", SEQ7, b"\x00\xc1"], [b"", END, b"x"],
     [b"", b"", b"", SEQ7, b""], [b"", b"\x01", _pack([1.0, [], 0])],
@@ -208,6 +219,7 @@ _MSGPACK_VALUES = st.recursive(
     max_leaves=30)
 
 
+@pytest.mark.unit
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(st.one_of(st.binary(max_size=64), _MSGPACK_VALUES.map(_pack),
                  st.lists(_MSGPACK_VALUES, max_size=4).map(lambda evs: _pack([1.0, evs, 0]))))
@@ -223,6 +235,7 @@ def test_any_input_decodes_or_raises_wire_error_only(payload):
 # ----------------------------------------------------------------------------- SGLang load publisher
 
 
+@pytest.mark.unit
 def test_load_stat_positional_with_nil_and_appended_fields():
     full = ["LoadStat", 7, 3, 1024, 8192, 2, 4096, 5000, 64, 777, 12.5, "appended later"]
     stat = decode_load([b"load", SEQ7, _pack(full)])
@@ -232,6 +245,7 @@ def test_load_stat_positional_with_nil_and_appended_fields():
     assert decode_load([b"load", SEQ7, _pack(["LoadStat", 1, 2, 3, 4])]).rank is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("frames", [
     [b"load", SEQ7], [b"load", SEQ7, _pack(["LoadStat", 1, 2, 3])], [b"load", SEQ7, _pack(["Other", 1, 2, 3, 4])],
     [b"load", SEQ7, _pack({"num_running_reqs": 1})], [b"load", SEQ7, _pack(["LoadStat", 1, "2", 3, 4])],
@@ -250,6 +264,7 @@ DESCRIPTOR = {"publisher": "zmq", "endpoint_host": "*", "endpoint_port_base": 55
               "dp_size": 2, "load_endpoint_port_base": 5559, "load_topic": "load"}
 
 
+@pytest.mark.unit
 def test_server_info_descriptor_gives_each_ranks_endpoints():
     info = {"dp_size": 2, "kv_events": DESCRIPTOR}
     assert from_server_info(info, "http://10.0.0.5:30000", 1) == Endpoints(
@@ -263,12 +278,14 @@ def test_server_info_descriptor_gives_each_ranks_endpoints():
     assert (ipv6.events, ipv6.load, ipv6.block_size, ipv6.topic) == ("tcp://[fd00::1]:5557", None, None, b"kv")
 
 
+@pytest.mark.unit
 def test_server_info_without_publisher_is_none():
     assert from_server_info({"dp_size": 1}, "http://e:1", 0) is None
     assert from_server_info({"kv_events": None}, "http://e:1", 0) is None
     assert from_server_info({"kv_events": {"publisher": "null"}}, "http://e:1", 0) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("descriptor, rank, message", [
     ({**DESCRIPTOR, "publisher": "kafka"}, 0, "publisher 'kafka'"),
     ({**DESCRIPTOR, "endpoint_port_base": "5557"}, 0, "endpoint_port_base"),
@@ -283,6 +300,7 @@ def test_bad_descriptors_say_what_is_wrong(descriptor, rank, message):
         from_server_info({"kv_events": descriptor}, "http://e:1", rank)
 
 
+@pytest.mark.unit
 def test_operator_templates_and_index_aligned_lists():
     assert expand_template("tcp://{host}:5557", "http://10.0.0.7:8000", 3) == "tcp://10.0.0.7:5560"
     assert expand_template("tcp://*:5557", "http://node-a:8000", 1) == "tcp://node-a:5558"
@@ -295,6 +313,7 @@ def test_operator_templates_and_index_aligned_lists():
     assert from_operator(listed, "http://b:1", 0, 1).events == "tcp://a:5558"
 
 
+@pytest.mark.unit
 def test_an_events_address_marked_with_at_is_bound_for_publishers_that_connect():
     ends = from_operator("@tcp://127.0.0.1:47557", "http://127.0.0.1:8000", 1, 1, replay="tcp://{host}:47657")
     assert (ends.events, ends.bind, ends.replay) == ("tcp://127.0.0.1:47558", True, "tcp://127.0.0.1:47658")
@@ -302,6 +321,7 @@ def test_an_events_address_marked_with_at_is_bound_for_publishers_that_connect()
     assert not from_operator("tcp://*:5557", "http://node-a:8000", 0, 0).bind
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("setting, url, rank, index, message", [
     ("", "http://e:1", 0, 0, "empty"),
     ("tcp://{host}:5557", "not a url", 0, 0, "has no host"),
@@ -321,6 +341,7 @@ def test_bad_operator_settings_say_what_is_wrong(setting, url, rank, index, mess
 # ----------------------------------------------------------------------------- the layer's boundary
 
 
+@pytest.mark.e2e
 def test_the_layer_imports_nothing_else_of_ramjet_and_the_pure_parts_no_zmq():
     import subprocess
     import sys
@@ -332,5 +353,5 @@ def test_the_layer_imports_nothing_else_of_ramjet_and_the_pure_parts_no_zmq():
              "print(sorted(m for m in sys.modules if m.startswith('ramjet')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == str(["ramjet", "ramjet.kvevents", "ramjet.kvevents.discovery",
-                                      "ramjet.kvevents.sequencing", "ramjet.kvevents.subscriber",
+                                      "ramjet.kvevents.fields", "ramjet.kvevents.sequencing", "ramjet.kvevents.subscriber",
                                       "ramjet.kvevents.wire"])

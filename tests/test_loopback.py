@@ -9,16 +9,19 @@ sockets, and the CLI's start-up errors. Everything else is in process
 from __future__ import annotations
 
 import asyncio
-import random
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 
 from harness import chat_body, metric_sum
+from poll import wait_for
 from ramjet.demo.sessions import run_sessions
+
+pytestmark = pytest.mark.e2e
 
 FAST = ("--time-scale", "50")
 
@@ -33,18 +36,6 @@ def states(url: str) -> dict[int, str]:
 
 def metric(url: str, name: str, **labels: str) -> float:
     return metric_sum(httpx.get(url + "/metrics", timeout=5).text, name, **labels)
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0, interval: float = 0.05):
-    """Poll until `predicate()` is truthy; the bound only stops a hung test."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(interval)
 
 
 def test_stream_is_passed_through_unchanged_and_usage_reaches_metrics(start_sim, start_balancer):
@@ -181,20 +172,39 @@ def test_stopped_engine_is_down_at_once_and_back_after_restart(start_sim, start_
     wait_for(lambda: set(states(url).values()) == {"serving"}, "every rank back in service")
 
 
-def test_stale_keepalive_sockets_are_never_reused(start_sim, start_balancer):
-    # The engine closes idle connections after 1 s; the balancer's pool drops them after 0.8 s.
-    # Requests come 0.85-1.2 s apart, around the engine's limit: the spacing is the scenario.
-    # A request sent on a socket the engine had closed would fail over (or fence) silently, so
-    # the client's 200s are not enough: no failover and no fence may happen at all.
+def client_ends_to(port: int) -> list[str]:
+    """The states of the client ends of TCP connections to 127.0.0.1:`port` still open, from the kernel's
+    table: "01" established, "08" close-wait (the server hung up, the client has not closed its end yet)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return [f[3] for line in lines if (f := line.split())[2] == f"0100007F:{port:04X}" and f[3] in ("01", "08")]
+
+
+def test_a_pooled_socket_the_engine_closed_is_never_used(start_sim, start_balancer):
+    # The engine closes idle connections after 1 s, the balancer's pool would keep them 60 s: each request
+    # waits until the engine has hung up on the balancer's pooled socket. Sent on that socket, a request
+    # would fail over (or fence) silently, so the client's 200s are not enough: no failover, no fence at all.
     sim_url, _ = start_sim(*FAST, "--idle-keepalive-s", "1")
-    url, _ = start_balancer(upstream=sim_url, upstream_dp_size="8", health_interval_ms="60000",
-                            upstream_pool_idle_timeout_ms="800")
-    rng = random.Random(11)
-    codes = []
+    port = int(sim_url.rsplit(":", 1)[1])
+    url, _ = start_balancer(upstream=sim_url, upstream_dp_size="8", health_interval_ms="60000", engine_load="off",
+                            upstream_pool_idle_timeout_ms="60000")
     with httpx.Client(timeout=10) as client:
-        for _ in range(8):
-            codes.append(client.post(url + "/v1/chat/completions", json=chat_body("ping")).status_code)
-            time.sleep(rng.uniform(0.85, 1.2))
-    assert codes == [200] * 8
+        for _ in range(4):
+            assert client.post(url + "/v1/chat/completions", json=chat_body("ping")).status_code == 200
+            wait_for(lambda: "01" not in client_ends_to(port), "the engine hung up on the balancer's idle sockets")
+    assert metric(url, "ramjet_failovers_total") == 0
+    assert metric(url, "ramjet_upstream_fences_total") == 0
+
+
+def test_the_pool_lets_idle_sockets_go_before_the_engine_does(start_sim, start_balancer):
+    # RJ_UPSTREAM_POOL_IDLE_TIMEOUT_MS set below the engine's idle limit is what keeps a request from racing
+    # the engine's hang-up: the balancer closes its idle sockets itself, the engine (5 minutes) never does here.
+    sim_url, _ = start_sim(*FAST, "--idle-keepalive-s", "300")
+    port = int(sim_url.rsplit(":", 1)[1])
+    url, _ = start_balancer(upstream=sim_url, upstream_dp_size="8", health_interval_ms="60000", engine_load="off",
+                            upstream_pool_idle_timeout_ms="300")
+    with httpx.Client(timeout=10) as client:
+        for _ in range(4):
+            assert client.post(url + "/v1/chat/completions", json=chat_body("ping")).status_code == 200
+            wait_for(lambda: not client_ends_to(port), "the balancer closed its idle sockets to the engine")
     assert metric(url, "ramjet_failovers_total") == 0
     assert metric(url, "ramjet_upstream_fences_total") == 0

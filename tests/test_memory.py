@@ -1,4 +1,4 @@
-"""The balancer's memory across restarts (ramjet.balancer.memory): what is saved comes back, to the same replicas.
+"""The balancer's memory across restarts (ramjet.balancer.runtime.memory): what is saved comes back, to the same replicas.
 
 End to end (a restarted balancer keeps sessions on their ranks, vouched for by the engine's
 stream) is in tests/test_precise.py; these check the file itself, and that a replica's saved
@@ -14,20 +14,22 @@ import socket
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 
-from harness import BalancerTransport, chat_body, metric_sum, until
-from ramjet.balancer.build import build_balancer
-from ramjet.balancer.memory import Memory
-from ramjet.balancer.topology import Replica, build_replicas
+from harness import BalancerTransport, chat_body, metric_sum
+from poll import until
+from ramjet.balancer.runtime.build import build_balancer
+from ramjet.balancer.runtime.memory import Memory
+from ramjet.balancer.cluster.topology import Replica, build_replicas
 from ramjet.config import load_settings
-from ramjet.demo.procs import free_port
+from ramjet.bench.procs import free_port
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 from ramjet.routing.token_index import TokenIndex
 from ramjet.sim.config import SimConfig
 from ramjet.sim.server import build_app
-from test_token_index import BS, store, tokens
+from token_helpers import BS, store, tokens
 
 
 def replicas(*ranks: int, engine: str = "http://e0:30000") -> list[Replica]:
@@ -38,6 +40,7 @@ def router(n: int, capacity: int = 1000) -> Router:
     return Router("relative", Params(), [capacity] * n, 1 << 20)
 
 
+@pytest.mark.unit
 def test_each_replica_gets_back_what_it_held_matched_by_engine_and_rank(tmp_path):
     before = router(3)
     before.index.record(0, [1, 2, 3])
@@ -52,6 +55,7 @@ def test_each_replica_gets_back_what_it_held_matched_by_engine_and_rank(tmp_path
     assert after.index.overlaps([1, 2, 3]) == [1, 3, 0]  # rank 2 held [1, 9]; rank 0 the whole chain
 
 
+@pytest.mark.unit
 def test_recency_survives_so_the_oldest_are_still_evicted_first(tmp_path):
     before = router(1)
     for chain_ in ([1], [2], [3]):
@@ -63,6 +67,7 @@ def test_recency_survives_so_the_oldest_are_still_evicted_first(tmp_path):
     assert after.index.export(0) == [2, 3]
 
 
+@pytest.mark.unit
 def test_an_unreadable_or_foreign_file_is_set_aside_and_the_balancer_starts_empty(tmp_path, caplog):
     path = tmp_path / "state"
     r = router(1)
@@ -89,6 +94,7 @@ class EngineView:
         self.resumed[i] = view["stream"]
 
 
+@pytest.mark.unit
 def test_an_engines_own_view_round_trips_with_hashes_wider_than_64_bits(tmp_path):
     ids = tokens(40)
     index = TokenIndex(2)
@@ -150,6 +156,7 @@ def held(b) -> list[int]:
     return b.router.index_sizes()
 
 
+@pytest.mark.e2e
 async def test_a_saved_index_comes_back_only_to_the_engine_process_it_was_saved_from(tmp_path, caplog):
     state, ports = tmp_path / "state", [free_port(), free_port()]
     async with contextlib.AsyncExitStack() as engines:
@@ -178,6 +185,7 @@ async def test_a_saved_index_comes_back_only_to_the_engine_process_it_was_saved_
         assert "cannot confirm its engine" in caplog.text
 
 
+@pytest.mark.e2e
 async def test_only_the_restarted_engine_loses_its_replicas_saved_index(tmp_path):
     state, ports = tmp_path / "state", [free_port(), free_port()]
     async with engine_on(ports[1]) as steady:

@@ -4,66 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from array import array
-from importlib.resources import files
 
 import httpx
 import pytest
+from harness import all_precise, free_ports, metric_sum, precise_stack, stack
+from poll import until
+from token_helpers import TOKENIZER
 
-from harness import metric_sum, stack, until
-from ramjet.balancer.fleet import Fleet
-from ramjet.balancer.matcher import Matcher, load_tokenizer
+from ramjet.balancer.cluster.fleet import Fleet
+from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.metrics import Metrics
-from ramjet.balancer.precise import AGREE_WINDOW, Match, PreciseMode, PreciseSettings
-from ramjet.balancer.topology import Replica
+from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
+from ramjet.balancer.precise.mode import Match, PreciseMode, PreciseSettings
+from ramjet.balancer.precise.trust import AGREE_WINDOW
 from ramjet.demo.sessions import run_sessions
-from ramjet.routing.token_index import TokenIndex, chain
-
-TOKENIZER = str(files("ramjet.sim") / "tokenizer")  # the simulator's own: the model's tokenizer, as deployed
-
-
-def free_ports(n: int) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1 (rank r publishes on base + r)."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-        probe.close()
-        held = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
+from ramjet.routing.token_blocks import chain
+from ramjet.routing.token_index import TokenIndex
 
 
-def precise_stack(fmt: str = "sglang", dp: int = 8, replay: bool = True, **extra):
-    events, replays = free_ports(dp), free_ports(dp)
-    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv" if fmt == "vllm" else "",
-              **({"replay_endpoint": f"tcp://127.0.0.1:{replays}"} if replay else {}), **extra.pop("events", {})}
-    if fmt == "vllm":
-        config["enable_kv_cache_events"] = True
-    rj = dict(kv_events="zmq", tokenizer=TOKENIZER, kv_events_silence_ms="2000")
-    if replay:
-        rj["kv_events_replay_endpoint"] = "tcp://{host}:%d" % replays
-    if fmt == "vllm":  # vLLM advertises nothing: the operator names the publishers
-        rj["kv_events_endpoint"] = "tcp://{host}:%d" % events
-    sim = {"kv_events_config": json.dumps(config), "kv_events_format": fmt, "dp_size": dp, **extra.pop("sim", {})}
-    return stack(sim=sim, **rj, **extra)
-
-
-async def all_precise(s, n: int = 8) -> bool:
-    return await s.metric("ramjet_kv_precise") == n
-
-
+@pytest.mark.e2e
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 async def test_predictions_match_the_engines_cached_tokens_and_sessions_stick(fmt):
     async with precise_stack(fmt) as s:
@@ -79,9 +39,16 @@ async def test_predictions_match_the_engines_cached_tokens_and_sessions_stick(fm
         assert agreed / (agreed + missed) >= 0.95, (agreed, missed)
         assert await all_precise(s)  # nothing made a replica fall back
         assert await s.metric("ramjet_kv_events_total", type="BlockStored") > 0
-        assert await s.metric("ramjet_kv_resident_tokens", medium="GPU") > 0
+
+        async def resident() -> list[tuple[float, int]]:  # (what the balancer says rank r holds, what it holds)
+            ranks = s.engines[0].stats()["ranks"]
+            return [(await s.metric("ramjet_kv_resident_tokens", rank=str(r), medium="GPU"),
+                     ranks[r]["device_tokens"]) for r in range(8)]
+        await until(lambda: _all_equal(resident()), "the balancer's view of each rank's cache equal to the engine's")
+        assert sum(held for _, held in await resident()) > 0
 
 
+@pytest.mark.e2e
 async def test_after_the_engine_evicts_a_session_precise_mode_stops_crediting_its_rank():
     # A small cache: one rank is flooded with other prompts until the session's history is evicted.
     async with precise_stack(sim={"kv_tokens_per_rank": 16_384}) as s:
@@ -110,6 +77,7 @@ async def send_turns(s, n: int, seed: int) -> None:
     assert report.failures == 0, report.describe()
 
 
+@pytest.mark.e2e
 async def test_a_gap_is_filled_from_the_replay_and_the_replica_stays_precise():
     async with precise_stack() as s:
         await until(lambda: all_precise(s), "every replica synced")
@@ -124,6 +92,7 @@ async def test_a_gap_is_filled_from_the_replay_and_the_replica_stays_precise():
         assert agreed / (agreed + missed) >= 0.95, (agreed, missed)
 
 
+@pytest.mark.e2e
 async def test_a_batch_lost_beyond_the_replay_falls_back_until_predictions_agree_again():
     async with precise_stack() as s:
         await until(lambda: all_precise(s), "every replica synced")
@@ -150,6 +119,7 @@ async def test_a_batch_lost_beyond_the_replay_falls_back_until_predictions_agree
         assert precise.report(home)["mode"] == "precise", precise.report(home)
 
 
+@pytest.mark.e2e
 async def test_a_silent_stream_falls_back_and_recovers():
     async with precise_stack(dp=2) as s:
         await until(lambda: all_precise(s, 2), "both replicas synced")
@@ -190,6 +160,7 @@ async def sessions_across_a_balancer_restart(s, seed: int) -> tuple[float, float
     return sum(r[2] == r[3] for r in report.routes.values()) / len(report.routes), history
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["precise", "approximate"])
 async def test_a_restarted_balancer_keeps_every_session_on_its_rank(tmp_path, mode):
     # The replay buffer (2 batches per rank) is shorter than the run's history: only the saved
@@ -208,6 +179,7 @@ async def test_a_restarted_balancer_keeps_every_session_on_its_rank(tmp_path, mo
             assert await all_precise(s)
 
 
+@pytest.mark.e2e
 async def test_a_restarted_balancer_rebuilds_its_view_from_the_replay_alone_when_the_buffer_holds_the_run():
     async with precise_stack(events={"buffer_steps": 10_000}, sim={"kv_tokens_per_rank": 400_000}) as s:
         await until(lambda: all_precise(s), "every replica synced")
@@ -217,6 +189,7 @@ async def test_a_restarted_balancer_rebuilds_its_view_from_the_replay_alone_when
         assert await s.metric("ramjet_kv_stream_states_total", kind="partial") == 0 and await all_precise(s)
 
 
+@pytest.mark.e2e
 async def test_without_a_saved_state_a_short_replay_cannot_rebuild_the_view():
     async with precise_stack(events={"buffer_steps": 2}) as s:
         await until(lambda: all_precise(s), "every replica synced")
@@ -226,6 +199,7 @@ async def test_without_a_saved_state_a_short_replay_cannot_rebuild_the_view():
         assert stickiness < 0.95
 
 
+@pytest.mark.e2e
 async def test_without_events_the_balancer_routes_approximately():
     # The engine publishes nothing: every replica stays on the approximate index, and routing still works.
     async with stack(kv_events="zmq", tokenizer=TOKENIZER) as s:
@@ -236,6 +210,7 @@ async def test_without_events_the_balancer_routes_approximately():
         await until(lambda: s.balancer.precise.report(0)["reason"] == "no event publisher", "no publisher reported")
 
 
+@pytest.mark.e2e
 def test_an_engine_restart_clears_what_its_replicas_held(start_sim, start_balancer):
     events, replays = free_ports(8), free_ports(8)
     flags = ("--time-scale", "50", "--kv-events-config", json.dumps({
@@ -263,6 +238,7 @@ def test_an_engine_restart_clears_what_its_replicas_held(start_sim, start_balanc
     asyncio.run(until(lambda: resident() > 0, "the restarted engine's blocks reported"))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("evictions_reported", [True, False])
 def test_a_prefix_evicted_while_its_request_waited_is_no_reason_to_distrust_the_stream(evictions_reported):
     # On a full cache a turn queued for long finds part of its prefix evicted: it was predicted, rightly, from
@@ -272,7 +248,7 @@ def test_a_prefix_evicted_while_its_request_waited_is_no_reason_to_distrust_the_
     metrics = Metrics()
     index = TokenIndex(1)
     precise = PreciseMode(replicas, Fleet(replicas, metrics, 30.0, 1), metrics,
-                          Matcher(load_tokenizer(TOKENIZER), index, 0.9), PreciseSettings(None, None, "", 10.0, 5.0))
+                          Matcher(load_tokenizer(TOKENIZER), index, 0.9), PreciseSettings(None, None, "", 10.0))
     precise.streaming[0], precise.trust[0].synced = True, True
     ids = array("I", range(1, 8 * 64 + 1))
     assert index.stored(0, list(range(100, 108)), None, ids, 64)
@@ -289,3 +265,7 @@ def test_a_prefix_evicted_while_its_request_waited_is_no_reason_to_distrust_the_
     assert precise.report(0)["mode"] == ("precise" if evictions_reported else "approximate")
     assert metric_sum(metrics.render().decode(), "ramjet_prefix_predictions_total", mode="precise",
                       agreed="false") == AGREE_WINDOW
+
+
+async def _all_equal(pairs) -> bool:
+    return all(a == b for a, b in await pairs)

@@ -9,47 +9,20 @@ text parts, must give identical token ids: the balancer's, and the simulated eng
 
 from __future__ import annotations
 
-from importlib.resources import files
-
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ramjet.balancer.matcher import Matcher, load_tokenizer
+from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
 from ramjet.errors import ApiError
 from ramjet.routing.prompt_tokens import compile_template
 from ramjet.routing.renderings import STRIDE, Renderings
-from ramjet.routing.token_index import TokenIndex, chain
+from ramjet.routing.token_blocks import chain
+from ramjet.routing.token_index import TokenIndex
 from ramjet.sim.tokens import load_tokenizer as engine_tokenizer
+from token_helpers import TOKENIZER, TOOLS, corpus
 
-TOKENIZER = files("ramjet.sim") / "tokenizer"
-TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
-
-
-def corpus() -> list[dict]:
-    """Conversations as coding agents send them."""
-    call = {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
-    agent = [
-        {"role": "system", "content": "You are a coding agent. Ünïcode, emoji 🚀, and <tags> stay as written."},
-        {"role": "user", "content": "Fix the failing test in a.py."},
-        {"role": "assistant", "content": None, "reasoning_content": "Read the file first.", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "def f(x):\n    return x +\n"},
-        {"role": "assistant", "content": "The file has a syntax error.", "reasoning_content": "Line 2 ends early."},
-        {"role": "user", "content": [{"type": "text", "text": "Then fix it"}, {"type": "text", "text": "and rerun."}]},
-    ]
-    dict_args = {"role": "assistant", "content": "Calling.", "tool_calls": [
-        {"type": "function", "function": {"name": "read_file", "arguments": {"path": "b.py"}}}]}
-    return [
-        {"messages": [{"role": "user", "content": "hello"}]},
-        {"messages": agent, "tools": TOOLS},
-        {"messages": agent[:3], "tools": TOOLS},                       # reasoning after the last user turn: kept
-        {"messages": agent[:5]},                                       # no tools: a plain system prompt
-        {"messages": agent[:2] + [dict_args], "tools": TOOLS, "add_generation_prompt": False},
-        {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x " * 3000}]},
-        {"messages": [{"role": "user", "content": "a", "name": None}], "chat_template_kwargs": {}},
-    ]
-
+pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def balancer_side():

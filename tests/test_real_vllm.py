@@ -13,7 +13,6 @@ nothing) and starts it (about one). It skips only when this machine cannot insta
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import socket
@@ -24,14 +23,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import real_vllm  # scripts/real_vllm.py (pyproject.toml's pythonpath)
 
-from ramjet.demo import procs
+from ramjet.bench import procs
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("real_vllm", ROOT / "scripts" / "real_vllm.py")
-real_vllm = importlib.util.module_from_spec(_spec)
-sys.modules["real_vllm"] = real_vllm  # dataclasses look their module up there
-_spec.loader.exec_module(real_vllm)
+pytestmark = [pytest.mark.slow, pytest.mark.real_engine]
 
 ENGINE_DIR = Path(os.environ.get("RAMJET_REAL_VLLM_DIR", real_vllm.DEFAULT_DIR))
 BS = real_vllm.BLOCK_SIZE
@@ -157,7 +153,6 @@ def loud_skip(reason: str) -> None:
     pytest.skip(msg)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
     import zmq  # pyzmq and msgpack: the project's own dependencies for precise mode
@@ -325,15 +320,14 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_balancer_renders_chat_templates_as_hugging_face_does():
     """The corpus of tests/test_prompt_tokens.py, rendered by `transformers` (in the engine's environment)."""
     import json
     import subprocess
 
-    from ramjet.balancer.matcher import load_tokenizer
-    from test_prompt_tokens import TOKENIZER, corpus
+    from ramjet.balancer.precise.matcher import load_tokenizer
+    from token_helpers import TOKENIZER, corpus
 
     try:
         paths = real_vllm.setup(ENGINE_DIR)
@@ -350,7 +344,7 @@ def test_the_balancer_renders_chat_templates_as_hugging_face_does():
         return {**body, "messages": [prepared(m) for m in body["messages"]]}
 
     bodies = corpus()
-    for directory in (str(TOKENIZER), str(ENGINE_DIR / "model")):  # the simulator's and the real model's
+    for directory in (TOKENIZER, str(ENGINE_DIR / "model")):  # the simulator's and the real model's
         answer = subprocess.run([str(paths.python), "-c", HF_RENDER], capture_output=True, text=True, timeout=120,
                                 input=json.dumps({"dir": directory, "bodies": [as_vllm_prepares(b) for b in bodies]}),
                                 env=real_vllm.clean_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
@@ -360,7 +354,6 @@ def test_the_balancer_renders_chat_templates_as_hugging_face_does():
             assert list(ours.prompt("chat", body).ids) == theirs, (directory, body["messages"][-1])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
     """RJ_ENGINE_LOAD against the real engine: its /metrics parse (per DP engine, with its process start
@@ -369,7 +362,7 @@ def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
     import threading
 
     from harness import metric_sum
-    from ramjet.balancer.engine_report import from_vllm_metrics
+    from ramjet.balancer.engines.report import from_vllm_metrics
 
     try:
         real_vllm.setup(ENGINE_DIR)

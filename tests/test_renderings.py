@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from array import array
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ramjet.routing.renderings import Rendering, Renderings, checkpoints, shared_chars
+
+pytestmark = pytest.mark.unit
 
 texts = st.text(alphabet="ab|é🚀", max_size=300)
 

@@ -7,7 +7,7 @@ import orjson
 import pytest
 from harness import chat_body, stack
 
-from ramjet.balancer.journal import Journal
+from ramjet.balancer.proxy.journal import Journal
 from ramjet.cli import main
 from ramjet.demo.sessions import run_sessions
 from ramjet.replay.cache import CacheModel, cached_tokens
@@ -23,6 +23,7 @@ from ramjet.routing.sessions import SessionKeys
 # --- session keys ------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_conversation_keeps_its_key_and_a_new_one_is_keyed_by_its_own_last_hash():
     keys = SessionKeys()
     harness = [1, 2, 3]
@@ -35,6 +36,7 @@ def test_a_conversation_keeps_its_key_and_a_new_one_is_keyed_by_its_own_last_has
     assert keys.key(harness + [30]) == 30 and keys.key([]) == 0
 
 
+@pytest.mark.unit
 def test_the_depth_a_chain_continues_an_earlier_one_at():
     keys = SessionKeys()
     keys.key([1, 2, 3, 10])
@@ -43,6 +45,7 @@ def test_the_depth_a_chain_continues_an_earlier_one_at():
     assert keys.continued_depth([1, 2, 3, 20]) == 0 and len(keys) == 1  # asking changes nothing
 
 
+@pytest.mark.unit
 def test_session_keys_remember_a_bounded_number_of_chain_ends():
     keys = SessionKeys(capacity=2)
     keys.key([1])
@@ -67,6 +70,7 @@ def request(chain: list[int], session: int = 0, prompt_tokens: int | None = 100,
     return Request(ts, fp(chain), session, [0.0, 0.0], [True, True], 0, 0.01, duration_s, prompt_tokens, 0, False)
 
 
+@pytest.mark.unit
 def test_cached_tokens_count_what_requests_still_running_pin():
     first, second = request([1, 2], ts=0.0, duration_s=10.0), request([3], ts=1.0)
     third = request([1, 2], ts=2.0, prompt_tokens=1000)
@@ -81,6 +85,7 @@ def serve(cache: CacheModel, replica: int, chain: list[int]) -> int:
     return found
 
 
+@pytest.mark.unit
 def test_a_replica_finds_the_leading_blocks_it_holds_and_then_holds_the_chain():
     cache = CacheModel(2, capacity_bytes=1000)
     assert serve(cache, 0, [1, 2, 3]) == 0
@@ -89,6 +94,7 @@ def test_a_replica_finds_the_leading_blocks_it_holds_and_then_holds_the_chain():
     assert serve(cache, 1, [1, 2]) == 0  # replicas cache alone
 
 
+@pytest.mark.unit
 def test_eviction_trims_conversations_from_the_tail_and_keeps_the_shared_head():
     cache = CacheModel(1, capacity_bytes=500)
     serve(cache, 0, [1, 2, 3])
@@ -98,6 +104,7 @@ def test_eviction_trims_conversations_from_the_tail_and_keeps_the_shared_head():
     assert serve(cache, 0, [1, 5]) == 200  # the shared head stayed hot throughout
 
 
+@pytest.mark.unit
 def test_blocks_of_running_requests_are_never_evicted():
     cache = CacheModel(1, capacity_bytes=300)
     assert cache.admit(0, fp([1, 2, 3])) == 0  # runs on
@@ -106,6 +113,7 @@ def test_blocks_of_running_requests_are_never_evicted():
     assert serve(cache, 0, [4, 5, 6]) == 0
 
 
+@pytest.mark.unit
 def test_cached_tokens_convert_bytes_and_never_exceed_the_prompt():
     requests = [request([1, 2], ts=0.0, prompt_tokens=50), request([1, 2, 3], ts=1.0, prompt_tokens=60),
                 request([1, 2, 3, 4], ts=2.0)]
@@ -114,6 +122,7 @@ def test_cached_tokens_convert_bytes_and_never_exceed_the_prompt():
     assert cached_tokens(requests, [0, 1, None], 2, 10_000, per_byte=0.2) == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.unit
 def test_prefill_waits_queue_first_come_first_served_per_replica():
     assert prefill_waits([0, 1, 2, 2], [0, 0, 1, 0], [4, 1, 1, 1], 2) == [0, 3, 0, 3]
     assert busiest_share([0, 0, 1], [3, 1, 2], 2) == pytest.approx(4 / 3)
@@ -121,6 +130,7 @@ def test_prefill_waits_queue_first_come_first_served_per_replica():
     assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == pytest.approx(9.1) and percentile([], 90) is None
 
 
+@pytest.mark.unit
 def test_stickiness_counts_consecutive_served_turns_of_one_session():
     requests = [request([1], 1), request([2], 2), request([1, 3], 1), request([1, 3, 4], 1), request([2, 5], 2)]
     assert stickiness(requests, [0, 1, 0, 2, 1], [True] * 5) == pytest.approx(2 / 3)
@@ -131,6 +141,7 @@ def test_stickiness_counts_consecutive_served_turns_of_one_session():
 # --- placements --------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_placements_parse_names_and_settings():
     ps = parse_placements("relative,load,relative:alpha=2,cap=16,new_sessions=balance,load_unit_bytes=16384,ttft")
     assert [p.label for p in ps] == ["relative", "load",
@@ -141,6 +152,7 @@ def test_placements_parse_names_and_settings():
     assert parse_placements("absolute:index_capacity=5")[0].index_capacities([9, 9]) == [5, 5]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("text", "message"), [
     ("", "no placement given"),
     ("nearest", "unknown policy 'nearest'"),
@@ -183,6 +195,7 @@ def write_journal(path, lines: list) -> str:
     return str(path)
 
 
+@pytest.mark.unit
 def test_loading_orders_by_arrival_and_rebuilds_fingerprints(tmp_path):
     path = write_journal(tmp_path / "j.jsonl", [record(ts=2.0, chain=[5, 6]), b"", record(ts=1.0, chain=[5])])
     recording = load_journal(path)
@@ -192,6 +205,7 @@ def test_loading_orders_by_arrival_and_rebuilds_fingerprints(tmp_path):
     assert any("no header" in note for note in recording.notes)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("lines", "message"), [
     ([b"{not json"], "line 1: not JSON"),
     ([record(), b"[1, 2]"], "line 2: expected a JSON object"),
@@ -213,12 +227,14 @@ def test_journal_errors_name_the_line_and_the_cause(tmp_path, lines, message):
         load_journal(write_journal(tmp_path / "j.jsonl", lines))
 
 
+@pytest.mark.unit
 def test_a_header_gives_the_recording_settings_and_a_repeated_one_is_a_restart(tmp_path):
     recording = load_journal(write_journal(tmp_path / "j.jsonl", [HEADER, record(), HEADER, record(ts=1.0)]))
     assert recording.params == Params(alpha=2.0) and recording.index_capacities == [50, 50]
     assert recording.notes == ["1 later balancer start(s) in the journal: the replay keeps one router throughout"]
 
 
+@pytest.mark.unit
 def test_the_command_prints_a_table_or_json(tmp_path, capsys):
     path = write_journal(tmp_path / "j.jsonl", [HEADER, record(chain=[1, 2]), record(ts=1.0, chain=[1, 2, 3])])
     assert main(["replay", path, "--placements", "relative,load:alpha=0", "--loads", "recorded"]) == 0
@@ -234,6 +250,7 @@ def test_the_command_prints_a_table_or_json(tmp_path, capsys):
     assert row["prompt_tokens"] == 100 and row["cached_tokens"] == pytest.approx(80)
 
 
+@pytest.mark.unit
 def test_a_missing_journal_or_bad_placement_exits_2_without_a_traceback(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "nope.jsonl"), "--placements", "relative"]) == 2
     assert "nope.jsonl: no such file" in capsys.readouterr().err
@@ -245,6 +262,7 @@ def test_a_missing_journal_or_bad_placement_exits_2_without_a_traceback(tmp_path
     assert e.value.code == 2 and "expected a number > 0" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_journal_writes_never_raise(tmp_path, caplog):
     journal = Journal(tmp_path / "j.jsonl", header={"journal": 1})
     journal.close()
@@ -269,6 +287,7 @@ async def record_live(path, basis: str, sessions: int = 8, turns: int = 5):
         return b.settings
 
 
+@pytest.mark.e2e
 async def test_a_live_journal_replays_to_the_recorded_choices_and_ranks_affinity_above_load(tmp_path):
     path = tmp_path / "journal.jsonl"
     settings = await record_live(path, "relative")

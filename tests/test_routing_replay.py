@@ -27,6 +27,8 @@ import pytest
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 
+pytestmark = pytest.mark.unit
+
 CORPUS = json.loads(gzip.open(Path(__file__).parent / "fixtures" / "routing_corpus.json.gz").read())
 
 

@@ -11,6 +11,8 @@ from ramjet.routing.policy import Candidates, Params, rank, rendezvous
 from ramjet.routing.router import Router
 from ramjet.routing.units import load_units
 
+pytestmark = pytest.mark.unit
+
 CHUNK = 256
 
 
@@ -206,13 +208,27 @@ def test_while_caches_cut_live_conversations_new_ones_go_where_their_prefix_is()
     assert router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
     for _ in range(10):  # a continuing turn arrives and no replica holds its conversation whole any more
         router.forget(0)
-        router.decide("chat", _next_turn(1, 2), [0, 0], [True, True])
+        router.forget(1)
+        router.answered(1, router.decide("chat", _next_turn(1, 2), [0, 0], [True, True]))
     assert router.pressure.high()
     assert not router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
     for _ in range(200):  # the caches keep up again: conversations find their history
         _turns(router, 1, 1, replica=0)
-        router.decide("chat", _next_turn(1, 0), [0, 0], [True, True])
+        router.answered(0, router.decide("chat", _next_turn(1, 0), [0, 0], [True, True]))
     assert not router.pressure.high()
+
+
+def test_deciding_changes_nothing_the_next_decision_sees():
+    """decide is a query (the operator API's explain asks it): only answers teach the router."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)
+    _turns(router, 1, 2, replica=0)
+    router.forget(0)  # the conversation's history is gone: a continuing turn now finds it cut
+    before = router.decide("chat", _next_turn(1, 2), [0, 0], [True, True])
+    for _ in range(100):
+        assert router.decide("chat", _next_turn(1, 2), [0, 0], [True, True]) == before
+    assert not router.pressure.high() and router.index_sizes() == [0, 0]
+    router.answered(1, before)
+    assert router.index_sizes()[0] == 0 and router.index_sizes()[1] > 0  # the answer taught replica 1 alone
     assert router.decide("chat", _next_turn(2, 0), [0, 0], [True, True]).new_session
 
 

@@ -14,16 +14,18 @@ import asyncio
 import random
 import signal
 import socket
-import time
 
 import httpx
 import pytest
 
 from harness import chat_body
 from l4proxy import L4Proxy
-from ramjet.demo import procs
-from ramjet.demo.procs import free_port
+from poll import until, wait_for
+from ramjet.bench import procs
+from ramjet.bench.procs import free_port
 from ramjet.usage import sse_payload
+
+pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
 
@@ -42,15 +44,6 @@ def balancer(tmp_path):
     yield start
     for p in started:
         p.stop()
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    """Poll until `predicate()` is truthy; the bound only stops a hung test."""
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 def refused(port: int) -> bool:
@@ -123,18 +116,14 @@ async def test_grace_period_cuts_what_is_left_and_the_engine_aborts_it(start_sim
                     received += chunk
         return received
 
-    async def running() -> int:
-        return (await client.get(sim_url + "/sim/stats")).json()["totals"]["running"]
+    async def both_running() -> bool:
+        return (await client.get(sim_url + "/sim/stats")).json()["totals"]["running"] == 2
 
     async with httpx.AsyncClient(timeout=30) as client:
         cut = asyncio.create_task(stream(client))
         waiting = asyncio.create_task(client.post(url + CHAT, json=chat_body("also long", max_tokens=2000,
                                                                              min_tokens=2000)))
-        for _ in range(400):  # both generating upstream (bounded: 20 s)
-            if await running() == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert await running() == 2
+        await until(both_running, "both requests generating upstream")
         p.proc.send_signal(signal.SIGTERM)
         received, answer = await asyncio.wait_for(asyncio.gather(cut, waiting), 30)
         assert b"data: " in received and b"[DONE]" not in received
@@ -232,13 +221,6 @@ async def test_rolling_restart_of_two_balancers_loses_no_request(start_sim, bala
     stopped: list[procs.ManagedProcess] = []
     proxy = L4Proxy([("127.0.0.1", port) for port in ports], interval=0.1, check_timeout=2.0)
     traffic = Traffic(f"http://127.0.0.1:{await proxy.start()}")
-
-    async def until(predicate, what: str, timeout: float = 30.0) -> None:
-        for _ in range(int(timeout / 0.05)):
-            if predicate():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"never happened: {what}")
 
     agents = []
     try:

@@ -4,7 +4,10 @@ import asyncio
 
 import orjson
 import pytest
+from poll import until
 from sim_helpers import chat, sim_client, sse_events
+
+pytestmark = pytest.mark.unit
 
 
 async def test_chat_completion_usage_and_rank_header():
@@ -173,16 +176,6 @@ async def test_bad_fault_requests_are_400(body):
     async with sim_client() as (c, _):
         r = await c.post("/sim/faults", content=body)
         assert r.status_code == 400 and "error" in r.json()
-
-
-async def until(predicate, what: str, timeout: float = 30.0) -> None:
-    """Poll `predicate`; the bound only stops a hung test, and the failure says `what` never happened."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} never happened within {timeout:g} s")
-        await asyncio.sleep(0.005)
 
 
 async def bounded(awaitable, what: str, timeout: float = 30.0):

@@ -2,8 +2,12 @@
 
 from array import array
 
+import pytest
+
 from ramjet.sim.cache import IdealCache, PrefixCache
 from ramjet.sim.tokens import load_tokenizer, make_prompt, page_hashes
+
+pytestmark = pytest.mark.unit
 
 PAGE = 4  # tokens per page in these tests
 

@@ -8,9 +8,12 @@ import httpx
 import openai
 import orjson
 import pytest
+from poll import wait_for
 from sim_helpers import filler
 
-from ramjet.demo.procs import free_port, start_sim
+from ramjet.bench.procs import free_port, start_sim
+
+pytestmark = pytest.mark.e2e
 
 SCALE = "200"
 
@@ -94,15 +97,6 @@ def test_out_of_range_rank_is_400(sim):
         r = httpx.post(f"{sim}/v1/chat/completions", headers=headers,
                        json={"model": "glm-5.3", "messages": [{"role": "user", "content": "x"}], **body})
         assert r.status_code == 400 and r.json()["error"]["code"] == 400
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    """Poll `predicate` until true; the bound only stops a hung test, and the failure says `what` never happened."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} never happened within {timeout:g} s")
-        time.sleep(0.02)
 
 
 def read_response(s: socket.socket) -> bytes:

@@ -10,16 +10,23 @@ real time. Waits are on conditions, bounded in simulated seconds.
 
 import asyncio
 import contextlib
+import functools
 import selectors
 from array import array
 
+import poll
 import pytest
 
 from ramjet.sim.config import SLOW_FACTOR, SimConfig
-from ramjet.sim.engine import DECODE_TICK_S, Engine, rank_chunk_tokens
+from ramjet.sim.engine import Engine
+from ramjet.sim.rank import DECODE_TICK_S, rank_chunk_tokens
 from ramjet.sim.tokens import make_prompt
 
+pytestmark = pytest.mark.unit
+
 BOUND_S = 30.0  # simulated seconds a wait may take before the test is declared hung
+# Waits on a condition poll every half simulated millisecond: the tests read durations off the clock at that grain.
+until = functools.partial(poll.until, timeout=BOUND_S, interval=0.0005)
 
 
 class _JumpingSelector(selectors.DefaultSelector):
@@ -82,16 +89,6 @@ async def finish(req, timeout: float = BOUND_S):
     except TimeoutError:
         raise AssertionError(f"request never finished within {timeout} simulated s (state {req.state})") from None
     return req
-
-
-async def until(predicate, what: str, timeout: float = BOUND_S, step: float = 0.0005) -> None:
-    """Poll `predicate` every `step` simulated seconds; fail saying `what` never happened."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() >= deadline:
-            raise AssertionError(f"{what} never happened within {timeout} simulated s")
-        await asyncio.sleep(step)
 
 
 async def timed(coro):

@@ -20,9 +20,10 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from poll import until
 from sim_helpers import chat, filler, sim_client
 
-from ramjet.demo.procs import start_sim
+from ramjet.bench.procs import start_sim
 from ramjet.sim.kv_wire import wire
 from ramjet.sim.tokens import SHIPPED_DIR, load_tokenizer
 
@@ -111,19 +112,20 @@ def decode(payload: bytes, rank: int) -> list[dict]:
     return events
 
 
-async def history(ctx, base: int, fmt: str, rank: int, until, what: str) -> list[dict]:
-    """Every event rank `rank` published (from its replay buffer), once `until(events)` holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + BOUND_S
-    while True:
+async def history(ctx, base: int, fmt: str, rank: int, holds, what: str) -> list[dict]:
+    """Every event rank `rank` published (from its replay buffer), once `holds(events)`."""
+    seen: list[dict] = []
+
+    async def showed() -> bool:
         batches = await replay(ctx, base + 2 + rank, fmt)
         assert [s for s, _ in batches] == list(range(len(batches)))  # a fresh stream, no gap
-        events = [e for _, p in batches for e in decode(p, rank)]
-        if until(events):
-            return events
-        if loop.time() > deadline:
-            raise AssertionError(f"{what} never showed in the events: {summary(events)}")
-        await asyncio.sleep(0.01)  # polls the condition above; the bound is the deadline
+        seen[:] = [e for _, p in batches for e in decode(p, rank)]
+        return holds(seen)
+    try:
+        await until(showed, what, timeout=BOUND_S, interval=0.01)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the last events: {summary(seen)}") from None
+    return seen
 
 
 def summary(events: list[dict]) -> list:
@@ -168,6 +170,7 @@ def fixture(*names: str) -> Path:
     pytest.skip(f"no {names[0]} fixture here")
 
 
+@pytest.mark.unit
 def test_encodings_are_byte_identical_to_the_engines_frames():
     import base64
 
@@ -190,6 +193,7 @@ def test_encodings_are_byte_identical_to_the_engines_frames():
 
 # --- stores, repeats, evictions, host tier ------------------------------------------------------
 
+@pytest.mark.e2e
 @both
 async def test_a_cold_prompt_streams_its_pages_live_with_token_ids_and_parent_chain(fmt, zctx):
     base = free_ports(4)
@@ -234,6 +238,7 @@ async def test_a_cold_prompt_streams_its_pages_live_with_token_ids_and_parent_ch
     sub.close(linger=0)
 
 
+@pytest.mark.e2e
 @both
 async def test_a_repeat_stores_nothing_new_and_eviction_removes_pages(fmt, zctx):
     base = free_ports(4)
@@ -264,6 +269,7 @@ async def test_a_repeat_stores_nothing_new_and_eviction_removes_pages(fmt, zctx)
         assert gone[0] == mine[-1]  # a radix tree evicts leaves: the least recent conversation's tail first
 
 
+@pytest.mark.e2e
 @both
 async def test_host_tier_offload_and_reload_change_the_medium(fmt, zctx):
     base = free_ports(4)
@@ -286,6 +292,7 @@ async def test_host_tier_offload_and_reload_change_the_medium(fmt, zctx):
         assert set(reloaded) <= again and set(reloaded) <= {h for h, _, _ in offloaded}
 
 
+@pytest.mark.e2e
 @both
 async def test_flush_cache_clears_every_rank(fmt, zctx):
     base = free_ports(4)
@@ -302,17 +309,16 @@ async def test_flush_cache_clears_every_rank(fmt, zctx):
 
 # --- replay, restart ---------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @both
 async def test_replay_is_bounded_by_buffer_steps_and_a_restart_starts_at_zero(fmt, zctx):
     base = free_ports(4)
     async with publishing(fmt, base, buffer_steps=3) as (c, engine):
         for i in range(6):
             await post(c, chat(filler(40, 10 + i), max_tokens=1, routed_dp_rank=0))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + BOUND_S
-        while engine.publishers.events[0].publisher.sent < 6:  # every request stored pages in a batch of its own
-            assert loop.time() < deadline, "the publisher never sent six batches"
-            await asyncio.sleep(0.01)
+        # every request stored pages in a batch of its own
+        await until(lambda: engine.publishers.events[0].publisher.sent >= 6, "the publisher sending six batches",
+                    timeout=BOUND_S, interval=0.01)
         sent = engine.publishers.events[0].publisher.sent
         batches = await replay(zctx, base + 2, fmt)
         assert [s for s, _ in batches] == [sent - 3, sent - 2, sent - 1]  # only the last buffer_steps
@@ -327,6 +333,7 @@ async def test_replay_is_bounded_by_buffer_steps_and_a_restart_starts_at_zero(fm
 
 # --- discovery and the load publisher (SGLang) --------------------------------------------------
 
+@pytest.mark.e2e
 async def test_server_info_advertises_the_publishers_as_sglang_does():
     base = free_ports(6)
     async with publishing("sglang", base, load_publish_endpoint="auto") as (c, _):
@@ -344,6 +351,7 @@ async def test_server_info_advertises_the_publishers_as_sglang_does():
         assert info["kv_events"] is None and info["kv_events_config"] is None
 
 
+@pytest.mark.e2e
 async def test_load_publisher_pushes_loadstat_per_rank(zctx):
     base = free_ports(6)
     sub = zctx.socket(zmq.SUB)
@@ -372,6 +380,7 @@ async def test_load_publisher_pushes_loadstat_per_rank(zctx):
     sub.close(linger=0)
 
 
+@pytest.mark.unit
 def test_bad_event_settings_are_refused():
     from ramjet.sim.config import SimConfig
 
@@ -389,6 +398,7 @@ def test_bad_event_settings_are_refused():
 
 # --- a real process: flags, and a restart is a new stream -------------------------------------
 
+@pytest.mark.e2e
 def test_a_restarted_process_starts_a_new_stream_at_zero(tmp_path):
     base, port = free_ports(4), free_ports(1)
     args = ["--dp-size", "2", "--page-tokens", str(PAGE), "--time-scale", "200", "--kv-events-format", "vllm",
@@ -443,6 +453,7 @@ def agent_turns() -> list[dict]:
     return turns
 
 
+@pytest.mark.unit
 def test_each_turn_extends_the_last_token_for_token_and_reasoning_is_dropped_after_a_new_user_turn():
     tok = load_tokenizer()
     turns = [list(tok.encode(tok.render(t))) for t in agent_turns()]
@@ -457,6 +468,7 @@ def test_each_turn_extends_the_last_token_for_token_and_reasoning_is_dropped_aft
     assert not rewritten.startswith(text) and rewritten.startswith(text[:text.index("<think>")])
 
 
+@pytest.mark.unit
 def test_template_follows_hugging_face_rendering_rules():
     render = load_tokenizer().render
     text = render({"messages": [{"role": "user", "content": "héllo"}], "tools": TOOLS})
@@ -469,6 +481,7 @@ def test_template_follows_hugging_face_rendering_rules():
     assert quiet.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+@pytest.mark.unit
 async def test_generated_pages_serve_the_next_turn_and_bad_templates_inputs_are_400():
     async with sim_client(dp_size=1, page_tokens=PAGE) as (c, _):
         first = chat(filler(100, 70), max_tokens=60, ignore_eos=True)
@@ -482,6 +495,7 @@ async def test_generated_pages_serve_the_next_turn_and_bad_templates_inputs_are_
         assert r.status_code == 400 and "unknown role" in r.json()["error"]["message"]
 
 
+@pytest.mark.unit
 def test_shipped_files_match_the_build_script_and_long_texts_tokenize_incrementally():
     import importlib.util
 
@@ -499,6 +513,7 @@ def test_shipped_files_match_the_build_script_and_long_texts_tokenize_incrementa
     assert tok.uncached_chars(text) == 0 and tok.uncached_chars(more) < 6_000  # only the tail is tokenized again
 
 
+@pytest.mark.unit
 async def test_tokenizer_flag_loads_another_directory(tmp_path):
     for name in ("tokenizer.json", "special_tokens_map.json"):
         shutil.copy(f"{SHIPPED_DIR}/{name}", tmp_path / name)
@@ -518,6 +533,7 @@ async def test_tokenizer_flag_loads_another_directory(tmp_path):
             hf.encode("hello there", add_special_tokens=False).ids)
 
 
+@pytest.mark.unit
 def test_messages_reach_the_template_as_sglang_prepares_them():
     from ramjet.sim.template import ChatTemplate
 

@@ -6,6 +6,8 @@ import pytest
 
 from ramjet.sim.protocol import ApiError, output_tokens, parse_body, parse_generation, requested_rank
 
+pytestmark = pytest.mark.unit
+
 DP = 8
 
 

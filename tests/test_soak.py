@@ -20,27 +20,13 @@ past the end were caught by that check alone: the pool's churn hid them in the t
 from __future__ import annotations
 
 import collections
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+import soak  # benchmarks/soak.py (pyproject.toml's pythonpath)
 
-SOAK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("ramjet_bench_soak", SOAK_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+pytestmark = pytest.mark.slow
 
 
-soak = load_soak()
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_soak_returns_to_its_start_with_no_balancer_5xx(tmp_path):
     """Every check of the soak passes, and the run had streams, cancels, bad input, poison, a wedge and a restart."""

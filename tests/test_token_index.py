@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import random
 from array import array
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ramjet.balancer.precise import AGREE_WINDOW, Trust
-from ramjet.routing.token_index import Held, TokenIndex, chain, chain_seed
+from ramjet.balancer.precise.trust import AGREE_WINDOW, Trust
+from ramjet.routing.token_blocks import chain, chain_seed
+from ramjet.routing.token_index import Held, TokenIndex
+from token_helpers import BS, store, tokens
 
-BS = 4
-
-
-def tokens(n: int, seed: int = 1) -> array:
-    rng = random.Random(seed)
-    return array("I", (rng.randrange(50_000) for _ in range(n)))
-
-
-def store(index: TokenIndex, replica: int, ids: array, first: int, count: int, medium: str = "GPU",
-          engine=lambda b: 1000 + b, **extra) -> bool:
-    """Blocks first..first+count of `ids`, named as an engine would (its own hashes), after their parent."""
-    blocks = list(range(first, first + count))
-    return index.stored(replica, [engine(b) for b in blocks], engine(first - 1) if first else None,
-                        ids[first * BS:(first + count) * BS], BS, medium, **extra)
-
+pytestmark = pytest.mark.unit
 
 def test_a_request_matches_what_each_replica_stored_whatever_the_engines_hashes():
     ids = tokens(40)

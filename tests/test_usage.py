@@ -1,6 +1,10 @@
 """The one SSE and usage parser, as the relay's tap and the clients use it."""
 
+import pytest
+
 from ramjet.usage import DONE, UsageTap, last_usage, sse_events, sse_payload, usage_of
+
+pytestmark = pytest.mark.unit
 
 
 def test_usage_tap_finds_final_usage_in_sse_tail():

@@ -14,32 +14,23 @@ import asyncio
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from harness import chat_body, metric_sum
-from ramjet.balancer.workers import remove_stale_directories
+from harness import chat_body, free_ports, metric_sum
+from poll import wait_for
+from token_helpers import TOKENIZER
+from ramjet.balancer.server.workers import remove_stale_directories
 from ramjet.config import ConfigError, load_settings
-from ramjet.demo import procs
-from ramjet.demo.procs import free_port
+from ramjet.bench import procs
+from ramjet.bench.procs import free_port
 from ramjet.demo.sessions import run_sessions
-from test_precise import TOKENIZER, free_ports
 
 CHAT = "/v1/chat/completions"
 DRAIN_MS = 3000
 FRESH = httpx.Limits(max_keepalive_connections=0)  # a new connection per request: the kernel picks the worker
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0):
-    """Poll until `predicate()` is truthy and return it; the bound only stops a hung test."""
-    for _ in range(int(timeout / 0.05)):
-        if got := predicate():
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 def workers_of(supervisor: int) -> set[int]:
@@ -138,12 +129,14 @@ def stack(tmp_path_factory):
         sim.stop()
 
 
+@pytest.mark.unit
 def test_several_workers_need_the_engines_kv_events():
     with pytest.raises(ConfigError, match="RJ_WORKERS=2 needs RJ_KV_EVENTS=zmq"):
         load_settings({"RJ_UPSTREAM": "http://127.0.0.1:1", "RJ_WORKERS": "2"})
     assert load_settings({"RJ_UPSTREAM": "http://127.0.0.1:1", "RJ_WORKERS": "1"}).workers == 1
 
 
+@pytest.mark.e2e
 def test_both_workers_serve_and_sessions_stick_across_them(stack):
     responses = send(stack["url"], 20, "spread")
     assert len(served_by(responses)) == 2  # two processes, two request id prefixes
@@ -162,25 +155,26 @@ def test_both_workers_serve_and_sessions_stick_across_them(stack):
     assert len(seen) == 2 and min(seen.values()) >= 4, seen  # the sessions' turns went through both workers
 
 
+@pytest.mark.e2e
 def test_metrics_sum_both_workers_exactly(stack):
     url = stack["url"]
     before = requests_total(url)
     responses = send(url, 30, "counted")
     assert len(served_by(responses)) == 2
     wait_for(lambda: requests_total(url) >= before + 30, "every request counted")
-    time.sleep(0.2)
     for _ in range(6):  # whichever worker answers the scrape (a new connection each time), the same sum
         assert requests_total(url) == before + 30
     assert gauge_pids(url) == workers_of(stack["sup"].proc.pid)
 
 
+@pytest.mark.e2e
 def test_a_drain_through_the_operator_api_reaches_both_workers(stack):
     url, admin = stack["url"], stack["admin"]
     prompt = "the same long prefix for every request " * 200  # sticks to one replica in both workers
     send(url, 1, prompt)
-    time.sleep(0.5)  # its blocks reported by the engine to both workers
-    home = {r.headers["x-ramjet-upstream"] for r in send(url, 6, prompt)}
-    assert len(home) == 1
+    # once the engine's events of its blocks reached both workers, both send the prefix where it is cached
+    home = wait_for(lambda: len(got := {r.headers["x-ramjet-upstream"] for r in send(url, 6, prompt)}) == 1 and got,
+                    "both workers sending the prompt to the one replica that holds it")
     home_rank = int(home.pop())
     r = httpx.post(f"{admin}/admin/replicas/{home_rank}/drain", timeout=10)
     assert r.status_code == 200 and r.json()["drained"] and r.json()["workers"] == {"applied": 2, "of": 2}
@@ -193,19 +187,24 @@ def test_a_drain_through_the_operator_api_reaches_both_workers(stack):
         assert not r.json()["drained"] and r.json()["workers"] == {"applied": 2, "of": 2}
 
 
+@pytest.mark.e2e
 def test_sigterm_drains_both_workers_which_exit_0(stack):
     url, sup = stack["url"], stack["sup"]
     workers = workers_of(sup.proc.pid)
     assert len(workers) == 2
     sup.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)  # forwarded, and taken by both workers
+    wait_for(lambda: all(f"[worker {k}/2] ramjet shutdown: SIGTERM; draining" in sup.log_path.read_text()
+                         for k in (0, 1)), "the signal forwarded to both workers, and both draining")
     seen: set[str] = set()
-    deadline = time.monotonic() + DRAIN_MS / 2000
-    while len(seen) < 2 and time.monotonic() < deadline:  # both still serve, each answer closing its connection
+
+    def both_serve_closing() -> bool:  # both still serve while they drain, each answer closing its connection
         during = send(url, 2, "draining")
         assert all(x.headers["connection"] == "close" for x in during)
-        seen |= served_by(during)
-    assert len(seen) == 2
+        seen.update(served_by(during))
+        return len(seen) == 2
+
+    # within the drain (RJ_SHUTDOWN_DRAIN_MS), after which the workers stop serving: the scenario's bound
+    wait_for(both_serve_closing, "an answer from each draining worker", timeout=DRAIN_MS / 2000, interval=0.01)
     assert sup.proc.wait(timeout=30) == 0
     assert (stack["tmp"] / "state.msgpack").stat().st_size > 0  # written by worker 0 (the others only read it)
     log = sup.log_path.read_text()
@@ -214,6 +213,7 @@ def test_sigterm_drains_both_workers_which_exit_0(stack):
     assert "forwarding it to 2 workers" in log and "ERROR" not in log
 
 
+@pytest.mark.e2e
 def test_a_killed_worker_is_started_again_and_its_counts_are_kept(stack, tmp_path):
     url, _, sup = start_workers(stack["sim"], tmp_path)
     try:
@@ -235,6 +235,7 @@ def test_a_killed_worker_is_started_again_and_its_counts_are_kept(stack, tmp_pat
         sup.stop(timeout=20)
 
 
+@pytest.mark.e2e
 def test_a_supervisor_killed_outright_takes_its_workers_down(stack, tmp_path):
     url, _, sup = start_workers(stack["sim"], tmp_path)
     workers = workers_of(sup.proc.pid)

@@ -1,4 +1,4 @@
-"""`ramjet bench swarm URL` and `ramjet bench compare`."""
+"""`ramjet bench swarm URL`, `ramjet bench compare` and `ramjet bench trace FILE`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 from dataclasses import fields
 
 from ramjet.bench import compare as cmp
+from ramjet.bench import trace_cli
+from ramjet.bench.placements import expand_placements, parse_balancer_env
 from ramjet.bench.report import format_repeats
 from ramjet.bench.summary import format_summary, summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
@@ -100,7 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = sub.add_parser("compare", help="placements x team sizes x HiCache against fresh simulators",
                        description=cmp.__doc__.split("\n\n")[0])
     c.add_argument("--placements", type=_csv(str), default=["direct", "relative", "sglang-router"],
-                   help=f"comma list from {','.join(cmp.PLACEMENTS)} (default direct,relative,sglang-router)")
+                   help=f"comma list from {','.join(cmp.PLACEMENTS)}; a ramjet placement may carry RJ_NAME=VALUE "
+                        "settings after colons, a peer its own --flag=value arguments; a value a|b makes a grid "
+                        "(default direct,relative,sglang-router)")
+    c.add_argument("--sweep", action="append", default=[], metavar="PEER",
+                   help="add PEER's documented grid over its routing knobs to the placements (repeatable; "
+                        "docs/benchmarks.md, Peers)")
+    c.add_argument("--dry-run", action="store_true",
+                   help="print the placements (grids expanded), the number of cells and the time they would take; "
+                        "run nothing")
     c.add_argument("--developers", type=_csv(int), default=[16], help="comma list of team sizes (16)")
     c.add_argument("--hicache", type=_csv(str), default=["off"], help="off, on or off,on (off)")
     c.add_argument("--engines", type=int, default=1, help="simulated engines of 8 ranks each (1)")
@@ -113,7 +123,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--balancer-env", action="append", default=[], metavar="RJ_NAME=VALUE",
                    help="extra setting for the ramjet cells (repeatable)")
     c.add_argument("--no-kv-hint", action="store_true",
-                   help="do not tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)")
+                   help="give no placement each rank's KV capacity (ours: RJ_ROUTE_KV_CAPACITY_TOKENS; a peer: "
+                        "its --max-tree-size in characters)")
     c.add_argument("--sim-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra flag for every simulator, e.g. --sim-arg=--decode-tokens-per-s=32 (repeatable)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -126,6 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--journal", action="store_true",
                    help="ramjet cells write their routing journal to DIR/journals/CELL.jsonl (for `ramjet replay`)")
     _common(c, defaults, 20.0)
+
+    trace_cli.add_parser(sub)
 
 
 def _run_swarm(args) -> int:
@@ -152,16 +165,10 @@ def _run_swarm(args) -> int:
 
 
 def _run_compare(args) -> int:
-    env = {}
-    for item in args.balancer_env:
-        k, sep, v = item.partition("=")
-        if not sep or not k.startswith("RJ_"):
-            print(f"--balancer-env wants RJ_NAME=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        env[k] = v
     try:
+        env = parse_balancer_env(args.balancer_env)
         cfg = cmp.CompareConfig(
-            placements=args.placements, developers=args.developers, hicache=args.hicache, engines=args.engines,
+            placements=expand_placements(args.placements, args.sweep), developers=args.developers, hicache=args.hicache, engines=args.engines,
             duration=args.duration, warmup=args.warmup, ramp=args.ramp, time_scale=args.time_scale,
             seed=args.seed, salt_prefix=args.salt_prefix, out_dir=args.out,
             kv_tokens_per_rank=args.kv_tokens_per_rank, hicache_tokens_per_rank=args.hicache_tokens_per_rank,
@@ -172,8 +179,12 @@ def _run_compare(args) -> int:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2
     n = len(cfg.cells())
+    est = cmp.estimate_seconds(n, cfg.warmup, cfg.duration, cfg.time_scale, cfg.engines)
+    if args.dry_run:
+        print("\n".join(cfg.placements))
+        print(f"{len(cfg.placements)} placements, {n} cells, about {est / 60:.1f} minutes", file=sys.stderr)
+        return 0
     if not args.quiet:
-        est = cmp.estimate_seconds(n, cfg.warmup, cfg.duration, cfg.time_scale, cfg.engines)
         print(f"{n} cells, about {est / 60:.1f} minutes; output in {cfg.out_dir}/", file=sys.stderr)
     rows = cmp.run_compare_config(cfg)
     print(cmp.format_table(rows))
@@ -187,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_swarm(args)
     if args.bench_command == "compare":
         return _run_compare(args)
+    if args.bench_command == "trace":
+        return trace_cli.run(args)
     raise SystemExit(f"unknown bench command {args.bench_command}")  # pragma: no cover
 
 

@@ -1,29 +1,20 @@
 """`ramjet bench compare`: placements x team sizes x HiCache, each cell on fresh simulators.
 
-A cell: start `engines` fresh simulators (8 DP ranks each), put the placement in
-front of them (nothing for `direct`, `ramjet serve` with an affinity basis, or the
-SGLang router), run the swarm in this process with the same seed and a fresh salt,
-snapshot the simulators' /sim/stats at the end of the warm-up and at the end, and
-stop every process (always, also on errors and Ctrl-C). After every cell the
-table, the JSON and the plots in the output directory are rewritten, so an
+A cell: start `engines` fresh simulators (8 DP ranks each), put the placement in front of them
+(placements.py: nothing for `direct`, `ramjet serve` for ours, a peer router), wait until it routes to
+every rank, run the swarm in this process with the same seed and a fresh salt, snapshot the
+simulators' /sim/stats at the end of the warm-up and at the end, read the placement's own figures
+and the requests each rank served, and stop every process (always, also on errors and Ctrl-C).
+After every cell the table, the JSON and the plots in the output directory are rewritten, so an
 interrupted comparison keeps the cells it finished.
 
-Placements:
-  direct         straight to the engine: SGLang's own round robin over its ranks. With
-                 several engines the swarm itself spreads requests round robin over them
-                 (what a plain L4 balancer would do).
-  relative, absolute, marginal, ttft (every basis of ramjet.routing.policies)
-                 `ramjet serve` with RJ_ROUTE_AFFINITY_BASIS set to that basis.
-  load           `ramjet serve` with RJ_AFFINITY=load (affinity off: least load only).
-  precise        `ramjet serve`, relative basis, in precise mode (RJ_KV_EVENTS=zmq, RJ_TOKENIZER the
-                 simulator's tokenizer), in front of simulators that publish their KV cache events, each
-                 engine on port ranges of its own (ramjet/bench/precise.py); summary.md says how many
-                 replicas were routed on their events and how often the predictions agreed.
-  sglang-router  `sglang-router launch --policy cache_aware --dp-aware` over the engines.
-
-A ramjet placement may carry settings of its own after colons, e.g.
-`relative:RJ_ROUTE_NEW_SESSIONS=affinity:RJ_ROUTE_ALPHA=2`, so one comparison can pit settings
-against each other (they apply after --balancer-env).
+Placements (placements.py, peers.py; docs/benchmarks.md has how each is started and what is scaled):
+  direct, relative, absolute, marginal, ttft, load, precise, ramjet-rust-bundle, smg, sglang-router,
+  vllm-router. A ramjet placement may carry RJ_* settings of its own after colons
+  (`relative:RJ_ROUTE_NEW_SESSIONS=affinity:RJ_ROUTE_ALPHA=2`; they apply after --balancer-env), a
+  peer its own flags (`smg:--balance-abs-threshold=4:--cache-threshold=0.8`); a value `a|b` makes a
+  grid, one placement per combination, and --sweep PEER adds the peer's documented grid, so each
+  peer's best setting per cell can be found (summary.md names the best of each kind).
 
 With --repeat N every cell runs N times, the placements of one repeat back to back (interleaved, so a
 slow spell of the machine hits them alike), each run with a seed of its own; summary.md then adds each
@@ -36,9 +27,9 @@ With --journal every ramjet cell writes its routing journal (RJ_ROUTE_JOURNAL) t
 DIR/journals/CELL.jsonl, for `ramjet replay`.
 
 Which replica served a request: `X-Ramjet-Upstream` (the balancer's ordinal, engine x 8 +
-rank), else the simulator's `X-Sim-Dp-Rank` (which the SGLang router passes through). With
-several engines behind the SGLang router only the rank is visible, so its stickiness then
-counts "same rank number" and is an upper bound.
+rank), else the simulator's `X-Sim-Dp-Rank` (which the peers pass through). With several
+engines behind a peer only the rank is visible, so its stickiness then counts "same rank
+number" and is an upper bound; the per-rank request counts come from the engines for all.
 
 Time scale: the simulators run `--time-scale` times faster than real time and the swarm
 scales its waits and measurements to match, so every figure reads in engine time. Real
@@ -55,28 +46,25 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ramjet.bench import precise
+from ramjet.bench.placements import (KINDS, PlacementContext, expand_placements, is_ramjet, parse_placement,
+                                     start_placement)
 from ramjet.bench.report import cell_name, format_table, write_outputs
-from ramjet.bench.scrape import balancer_figures
+from ramjet.bench.sims import (DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK, DP_SIZE, cpu_share,
+                               cpu_snapshot, exited, kv_capacity, start_sims)
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
-from ramjet.demo import procs
-from ramjet.routing.policies import POLICY_NAMES
 
-# the balancer's placements are its routing policies, and the default one on the engines' KV events
-PLACEMENTS = ("direct", *POLICY_NAMES, "precise", "sglang-router")
-DP_SIZE = 8
-DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
-DEFAULT_HICACHE_TOKENS_PER_RANK = 670_000  # 32 GB host memory per rank at ~47.7 KB per token (ramjet fit)
+PLACEMENTS = tuple(KINDS)
 
 
 @dataclass
 class CompareConfig:
-    placements: list[str]
+    placements: list[str]           # grids (`a|b` values) are expanded here
     developers: list[int]
     hicache: list[str] = field(default_factory=lambda: ["off"])
     engines: int = 1
@@ -93,7 +81,7 @@ class CompareConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     request_timeout: float = 600.0
     balancer_env: dict[str, str] = field(default_factory=dict)
-    kv_hint: bool = True            # tell the balancer each rank's KV capacity (RJ_ROUTE_KV_CAPACITY_TOKENS)
+    kv_hint: bool = True            # give every placement each rank's KV capacity in its own terms
     sim_args: list[str] = field(default_factory=list)
     progress: bool = True
     plots: bool = True
@@ -102,9 +90,9 @@ class CompareConfig:
     journal: bool = False           # ramjet cells write DIR/journals/CELL.jsonl
 
     def __post_init__(self):
-        bad = [p for p in self.placements if split_placement(p)[0] not in PLACEMENTS]  # raises on a bad setting
-        if bad:
-            raise ValueError(f"unknown placement(s) {', '.join(bad)}; choose from {', '.join(PLACEMENTS)}")
+        self.placements = expand_placements(list(self.placements))
+        for p in self.placements:
+            parse_placement(p)  # raises ValueError naming what is wrong
         if not self.placements or not self.developers:
             raise ValueError("need at least one placement and one team size")
         for h in self.hicache:
@@ -129,51 +117,18 @@ class CompareConfig:
                         out.append(cell)
         return out
 
-
-def split_placement(spec: str) -> tuple[str, dict[str, str]]:
-    """`NAME[:RJ_KEY=VALUE...]` -> (NAME, settings); settings only on ramjet's own placements."""
-    name, *items = spec.split(":")
-    env = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("RJ_") or name in ("direct", "sglang-router"):
-            raise ValueError(f"placement {spec!r}: settings are RJ_NAME=VALUE after a ramjet placement's name")
-        env[key] = value
-    return name, env
+    def capacity(self, hicache: str) -> int:
+        """A rank's KV capacity, device plus host tier: the hint every placement gets (unless --no-kv-hint)."""
+        return kv_capacity(self, hicache)
 
 
-def _start_router(urls: list[str], logs: Path, name: str, model: str) -> tuple[str, procs.ManagedProcess]:
-    port = procs.free_port()
-    p = procs.start_sglang_router(port, urls, model=model, log_path=logs / f"{name}-router.log")
-    return f"http://127.0.0.1:{port}", p
-
-
-def _sim_args(cfg: CompareConfig, hicache: str) -> list[str]:
-    hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
-    return ["--dp-size", str(DP_SIZE), "--time-scale", f"{cfg.time_scale:g}", "--kv-tokens-per-rank",
-            str(cfg.kv_tokens_per_rank), "--hicache-tokens-per-rank", str(hc), "--model-name", cfg.model,
-            *cfg.sim_args]
-
-
-def _balancer_env(cfg: CompareConfig, placement: str, hicache: str, sim_urls: list[str],
-                  events: list[precise.EventPorts] = (), journal: Path | None = None) -> dict[str, str]:
-    placement, own = split_placement(placement)
-    env = {"RJ_UPSTREAM": ",".join(sim_urls), "RJ_UPSTREAM_DP_SIZE": str(DP_SIZE),
-           "RJ_HEALTH_INTERVAL_MS": "1000", "RJ_LOG_LEVEL": "warning"}
-    if placement == "load":
-        env["RJ_AFFINITY"] = "load"
-    elif placement == "precise":
-        env.update(precise.balancer_env(events, DP_SIZE))
-    else:
-        env["RJ_ROUTE_AFFINITY_BASIS"] = placement
-    if cfg.kv_hint:
-        hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
-        env["RJ_ROUTE_KV_CAPACITY_TOKENS"] = str(cfg.kv_tokens_per_rank + hc)
-    env.update(cfg.balancer_env)
-    env.update(own)
-    if journal is not None:
-        env["RJ_ROUTE_JOURNAL"] = str(journal)
-    return env
+def _journal(cfg: CompareConfig, name: str) -> Path | None:
+    if not cfg.journal:
+        return None
+    (Path(cfg.out_dir) / "journals").mkdir(parents=True, exist_ok=True)
+    path = (Path(cfg.out_dir) / "journals" / f"{name}.jsonl").resolve()
+    path.unlink(missing_ok=True)  # the journal appends: a rerun of the cell starts afresh
+    return path
 
 
 def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
@@ -184,105 +139,48 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
     (out / "requests").mkdir(parents=True, exist_ok=True)
     name = cell_name(cell)
     salt = f"{cfg.salt_prefix}-{index}"
-    started: list[procs.ManagedProcess] = []
     row = {"seed": cfg.seed, "paired": True, **cell, "salt": salt, "time_scale": cfg.time_scale,
            "duration_s": cfg.duration, "warmup_s": cfg.warmup, "error": None}
-    placement, replicas = split_placement(cell["placement"])[0], DP_SIZE * cell["engines"]
     t0 = time.monotonic()
     try:
-        sim_urls = []
-        events = precise.plan(cell["engines"], DP_SIZE) if placement == "precise" else []
-        for e in range(cell["engines"]):
-            port = procs.free_port()
-            extra = precise.sim_args(events[e]) if events else []
-            started.append(procs.start_sim(port, *_sim_args(cfg, cell["hicache"]), *extra,
-                                           log_path=logs / f"{name}-sim{e}.log", timeout=60.0))
-            sim_urls.append(f"http://127.0.0.1:{port}")
-        if placement == "direct":
-            urls = sim_urls
-        elif placement == "sglang-router":
-            url, p = _start_router(sim_urls, logs, name, cfg.model)
-            started.append(p)
-            urls = [url]
-        else:
-            port = procs.free_port()
-            journal = None
-            if cfg.journal:
-                (out / "journals").mkdir(exist_ok=True)
-                journal = (out / "journals" / f"{name}.jsonl").resolve()
-                journal.unlink(missing_ok=True)  # the journal appends: a rerun of the cell starts afresh
-            env = _balancer_env(cfg, cell["placement"], cell["hicache"], sim_urls, events, journal)
-            started.append(procs.start_balancer(port, env, log_path=logs / f"{name}-balancer.log", timeout=60.0))
-            urls = [f"http://127.0.0.1:{port}"]
-        at_start = precise.wait_precise(urls[0], replicas) if events else None
-        ramp = cfg.ramp if cfg.ramp is not None else min(cfg.warmup / 2, 30.0)
-        scfg = SwarmConfig(urls=urls, model=cfg.model, developers=cell["developers"], duration=cfg.duration,
-                           warmup=cfg.warmup, ramp=ramp, time_scale=cfg.time_scale, seed=row["seed"], salt=salt,
-                           request_timeout=cfg.request_timeout, workload=cfg.workload, stats_urls=sim_urls,
-                           requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
-                           label=f"[{index + 1}/{total} {name}] ")
-        sampler = precise.Sampler(urls[0]) if events else None
-        cpu0, wall0 = _cpu_snapshot(started), time.monotonic()
-        try:
+        placement = parse_placement(cell["placement"]).for_engines(cell["engines"], DP_SIZE)
+        ctx = PlacementContext(log_dir=logs, name=name, time_scale=cfg.time_scale, dp_size=DP_SIZE,
+                               kv_capacity_tokens=cfg.capacity(cell["hicache"]) if cfg.kv_hint else None,
+                               balancer_env=dict(cfg.balancer_env),
+                               journal=_journal(cfg, name) if is_ramjet(placement) else None)
+        with ExitStack() as stack:  # leaving it stops the placement, then the simulators
+            sims, sim_urls = start_sims(stack, cfg, cell["hicache"], placement, cell["engines"], logs, name)
+            running = stack.enter_context(start_placement(placement, sim_urls, ctx))
+            started = [*sims, *running.processes]
+            ramp = cfg.ramp if cfg.ramp is not None else min(cfg.warmup / 2, 30.0)
+            scfg = SwarmConfig(urls=running.urls, model=cfg.model, developers=cell["developers"],
+                               duration=cfg.duration, warmup=cfg.warmup, ramp=ramp, time_scale=cfg.time_scale,
+                               seed=row["seed"], salt=salt, request_timeout=cfg.request_timeout,
+                               workload=cfg.workload, stats_urls=sim_urls,
+                               requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
+                               label=f"[{index + 1}/{total} {name}] ")
+            cpu0, wall0 = cpu_snapshot(started), time.monotonic()
             result = asyncio.run(run_swarm(scfg))
-        finally:
-            sampled = sampler.stop() if sampler else {}
-        cpu = _cpu_share(cpu0, _cpu_snapshot(started), time.monotonic() - wall0)
-        if placement not in ("direct", "sglang-router"):
-            row["balancer"] = balancer_figures(urls[0])
-        if events:
-            row["precise"] = {**precise.precise_state(urls[0]), "kv_precise_at_start": at_start, **sampled,
-                              "fallback_reasons": precise.fallback_reasons(started[-1].env["RJ_ADMIN_ADDR"])}
-        summary = summarize(result.records, warmup=cfg.warmup, duration=cfg.duration,
-                            stats_start=result.stats_start, stats_end=result.stats_end)
-        summary["loop_lag_p99_ms"] = result.loop_lag_p99_ms
-        summary["loop_lag_max_ms"] = result.loop_lag_max_ms
-        summary["team"] = result.team
-        summary["cpu_share"] = cpu
-        summary["ttft_floor"] = result.ttft_floor
-        row.update(_row_fields(summary))
-        row["cpu_share"] = cpu
-        row["summary"] = summary
-        for p in started:
-            if not p.alive():
-                row["error"] = f"{p.name} exited during the run (code {p.proc.returncode}); see logs/"
+            cpu = cpu_share(cpu0, cpu_snapshot(started), time.monotonic() - wall0)
+            row.update({k: v for k, v in running.figures().items() if v is not None})
+            row["launch"] = running.launch
+            row["rank_max_over_mean"] = (row.get("ranks") or {}).get("max_over_mean")
+            summary = summarize(result.records, warmup=cfg.warmup, duration=cfg.duration,
+                                stats_start=result.stats_start, stats_end=result.stats_end)
+            summary["loop_lag_p99_ms"] = result.loop_lag_p99_ms
+            summary["loop_lag_max_ms"] = result.loop_lag_max_ms
+            summary["team"] = result.team
+            summary["cpu_share"] = cpu
+            summary["ttft_floor"] = result.ttft_floor
+            row.update(_row_fields(summary))
+            row["cpu_share"] = cpu
+            row["summary"] = summary
+            if (gone := exited(started)) is not None:
+                row["error"] = gone
     except Exception as e:  # a cell that cannot run is reported, the comparison goes on
         row["error"] = f"{type(e).__name__}: {e}"[:2000]
-    finally:
-        for p in reversed(started):
-            try:
-                p.stop()
-            except Exception:  # pragma: no cover - best effort; stop() already escalates to SIGKILL
-                pass
     row["real_seconds"] = time.monotonic() - t0
     return row
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds a process has used so far (Linux /proc), None elsewhere."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields_ = f.read().rsplit(")", 1)[1].split()
-        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cpu_snapshot(started: list[procs.ManagedProcess]) -> dict[str, float | None]:
-    snap = {p.name.split(":")[0] + (f"#{i}" if p.name.startswith("sim") else ""): _cpu_seconds(p.proc.pid)
-            for i, p in enumerate(started) if p.proc is not None}
-    snap["client"] = time.process_time()
-    return snap
-
-
-def _cpu_share(before: dict, after: dict, real_seconds: float) -> dict[str, float]:
-    """Share of one core each process used while the swarm ran."""
-    out = {}
-    for k, v in after.items():
-        b = before.get(k)
-        if v is not None and b is not None and real_seconds > 0:
-            out[k] = round((v - b) / real_seconds, 3)
-    return out
 
 
 def _row_fields(s: dict) -> dict:

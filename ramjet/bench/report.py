@@ -1,16 +1,18 @@
 """What `ramjet bench compare` writes: the table, summary.md and summary.json, and with --repeat the
 mean, 95% interval and spread per cell and the differences against the first placement listed (paired
-run by run with --paired, else Welch's)."""
+run by run with --paired, else Welch's). Every placement gets the same account: the requests each rank
+served (the engines' count), its own figures where it exports them (the balancer's, a peer's counters),
+how it was started, and, where one kind ran under several settings, its best setting per cell."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ramjet.bench import precise
+from ramjet.bench import peers, precise
 
 TABLE_COLUMNS = (
     ("placement", "placement", "{}"),
@@ -25,6 +27,7 @@ TABLE_COLUMNS = (
     ("ttft_p99", "TTFT p99 s", "{:.2f}"),
     ("stickiness", "stickiness", "{:.1%}"),
     ("failures", "failures", "{}"),
+    ("rank_max_over_mean", "rank max/mean", "{:.2f}"),  # requests on the busiest rank over the mean rank's
 )
 # what --repeats aggregates: (key, header, format of a value, format of a difference)
 SPREAD_COLUMNS = (
@@ -34,8 +37,24 @@ SPREAD_COLUMNS = (
     ("ttft_p90", "TTFT p90 s", "{:.2f}", "{:+.2f}"),
     ("stickiness", "stickiness", "{:.1%}", "{:+.1f}"),
 )
-_POINTS = {"cache_ratio", "stickiness"}  # shares: differences in percentage points
 _SETTING = ("developers", "hicache", "engines")
+
+
+@dataclass(frozen=True)
+class RepeatSpec:
+    """What the repeat tables and the best-setting table read from the rows: the swarm's (SWARM) or another
+    benchmark's (the trace replay's, trace_cells_report.py). A share (a value format with %) differs in points."""
+    columns: tuple[tuple[str, str, str, str], ...]  # (key, header, format of a value, format of a difference)
+    setting: tuple[tuple[str, str], ...]            # (key, header): what names a cell besides its placement
+    metric: str                                     # a run counts if it has it; the best setting has most of it
+    metric_header: str
+    better: tuple[tuple[str, int, str], ...]        # (key, sign of "better", label) counted pair by pair
+    shared: str = "a seed"                          # what a paired repeat's placements share
+
+
+SWARM = RepeatSpec(SPREAD_COLUMNS, (("developers", "devs"), ("hicache", "HiCache"), ("engines", "engines")),
+                   "turns_per_min", "turns/min",
+                   (("turns_per_min", 1, "turns/min"), ("cache_ratio", 1, "cache"), ("ttft_p50", -1, "TTFT p50")))
 
 
 def cell_name(cell: dict) -> str:
@@ -70,8 +89,8 @@ def format_table(rows: list[dict]) -> str:
 
 # --------------------------------------------------------------------------- repeats
 
-def _ok(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if not r.get("error") and r.get("turns_per_min") is not None]
+def _ok(rows: list[dict], metric: str = "turns_per_min") -> list[dict]:
+    return [r for r in rows if not r.get("error") and r.get(metric) is not None]
 
 
 def _groups(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
@@ -133,73 +152,150 @@ def mean_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def format_repeats(rows: list[dict]) -> str:
+def format_repeats(rows: list[dict], spec: RepeatSpec = SWARM) -> str:
     """Mean ±95% (min..max) per cell over its repeats, then each placement minus the first one listed."""
-    ok = _ok(rows)
-    head = "| placement | devs | HiCache | engines | runs | " + " | ".join(h for _, h, _, _ in SPREAD_COLUMNS) + " |"
-    lines = [head, "|---|---|---|---|---:|" + "---:|" * len(SPREAD_COLUMNS)]
-    for (p, d, h, e), group in _groups(ok, ("placement", *_SETTING)).items():
-        cells = [_spread([r[k] for r in group if r.get(k) is not None], f) for k, _, f, _ in SPREAD_COLUMNS]
-        lines.append(f"| {p} | {d} | {h} | {e} | {len(group)} | " + " | ".join(cells) + " |")
+    ok = _ok(rows, spec.metric)
+    keys = tuple(k for k, _ in spec.setting)
+    cols = "|---|" + "---|" * len(keys)
+    head = ("| placement | " + "".join(f"{h} | " for _, h in spec.setting) + "runs | "
+            + " | ".join(h for _, h, _, _ in spec.columns) + " |")
+    lines = [head, cols + "---:|" + "---:|" * len(spec.columns)]
+    for (p, *setting), group in _groups(ok, ("placement", *keys)).items():
+        cells = [_spread([r[k] for r in group if r.get(k) is not None], f) for k, _, f, _ in spec.columns]
+        lines.append(f"| {p} | " + "".join(f"{v} | " for v in setting) + f"{len(group)} | {' | '.join(cells)} |")
     placements = list(dict.fromkeys(r["placement"] for r in rows))
     if len(placements) < 2:
         return "\n".join(lines)
     base = placements[0]
     paired = all(r.get("paired", True) for r in ok)
     unit = "pairs" if paired else "runs"
-    how = ("paired run by run over the repeats that shared a seed" if paired else
-           "the difference of the means, every run with a seed of its own (Welch's interval)")
+    how = (f"paired run by run over the repeats that shared {spec.shared}" if paired else
+           f"the difference of the means, every run with {spec.shared} of its own (Welch's interval)")
     lines += ["", (f"Differences, placement - {base}, {how} (mean ±95% interval, * where the interval excludes "
                    f"zero; 'better' counts the {unit} where the placement did better"
                    + ("" if paired else f" than {base}'s mean") + "):"), "",
-              (f"| placement | devs | HiCache | engines | {unit} | "
-               + " | ".join(f"{h} diff" + (" (pt)" if k in _POINTS else "") for k, h, _, _ in SPREAD_COLUMNS)
-               + " | better (turns/min, cache, TTFT p50) |"),
-              "|---|---|---|---|---:|" + "---:|" * (len(SPREAD_COLUMNS) + 1)]
-    for (d, h, e), group in _groups(ok, _SETTING).items():
+              ("| placement | " + "".join(f"{h} | " for _, h in spec.setting) + f"{unit} | "
+               + " | ".join(f"{h} diff" + (" (pt)" if "%" in f else "") for _, h, f, _ in spec.columns)
+               + f" | better ({', '.join(label for _, _, label in spec.better)}) |"),
+              cols + "---:|" + "---:|" * (len(spec.columns) + 1)]
+    for setting, group in _groups(ok, keys).items():
         base_rows = [r for r in group if r["placement"] == base]
         for p in placements[1:]:
             mine = [r for r in group if r["placement"] == p]
-            row = (_paired_diffs if paired else _unpaired_diffs)(base_rows, mine) if base_rows and mine else None
+            diffs = _paired_diffs if paired else _unpaired_diffs
+            row = diffs(base_rows, mine, spec) if base_rows and mine else None
             if row is not None:
-                lines.append(f"| {p} | {d} | {h} | {e} | " + row)
+                lines.append(f"| {p} | " + "".join(f"{v} | " for v in setting) + row)
     return "\n".join(lines)
 
 
-_BETTER = (("turns_per_min", 1), ("cache_ratio", 1), ("ttft_p50", -1))  # (metric, sign of "better")
+def _values(rows: list[dict], key: str, fmt: str) -> list[float]:
+    """The metric over `rows`; shares (a % format) in percentage points."""
+    return [r[key] * (100 if "%" in fmt else 1) for r in rows if r.get(key) is not None]
 
 
-def _values(rows: list[dict], key: str) -> list[float]:
-    """The metric over `rows`; shares in percentage points."""
-    return [r[key] * (100 if key in _POINTS else 1) for r in rows if r.get(key) is not None]
-
-
-def _paired_diffs(base: list[dict], mine: list[dict]) -> str | None:
+def _paired_diffs(base: list[dict], mine: list[dict], spec: RepeatSpec = SWARM) -> str | None:
     by_repeat = {r.get("repeat", 0): r for r in base}
     pairs = [(by_repeat[r.get("repeat", 0)], r) for r in mine if r.get("repeat", 0) in by_repeat]
     if not pairs:
         return None
     cells = []
-    for key, _, _, fmt in SPREAD_COLUMNS:
+    for key, _, vfmt, fmt in spec.columns:
         both = [(a, b) for a, b in pairs if a.get(key) is not None and b.get(key) is not None]
-        cells.append(_spread([y - x for x, y in zip(_values([a for a, _ in both], key),
-                                                    _values([b for _, b in both], key))], fmt, star=True))
+        cells.append(_spread([y - x for x, y in zip(_values([a for a, _ in both], key, vfmt),
+                                                    _values([b for _, b in both], key, vfmt))], fmt, star=True))
     wins = [sum(1 for a, b in pairs if a.get(k) is not None and b.get(k) is not None and sign * (b[k] - a[k]) > 0)
-            for k, sign in _BETTER]
+            for k, sign, _ in spec.better]
     return f"{len(pairs)} | " + " | ".join(cells) + f" | {'/'.join(map(str, wins))} of {len(pairs)} |"
 
 
-def _unpaired_diffs(base: list[dict], mine: list[dict]) -> str:
+def _unpaired_diffs(base: list[dict], mine: list[dict], spec: RepeatSpec = SWARM) -> str:
     cells = []
-    for key, _, _, fmt in SPREAD_COLUMNS:
-        a, b = _values(base, key), _values(mine, key)
+    for key, _, vfmt, fmt in spec.columns:
+        a, b = _values(base, key, vfmt), _values(mine, key, vfmt)
         ok = len(a) >= 2 and len(b) >= 2
         cells.append(_interval(statistics.fmean(b) - statistics.fmean(a), welch95(a, b), fmt, True) if ok else "-")
     wins = []
-    for k, sign in _BETTER:
+    for k, sign, _ in spec.better:
         a = [r[k] for r in base if r.get(k) is not None]
         wins.append(sum(1 for r in mine if a and r.get(k) is not None and sign * (r[k] - statistics.fmean(a)) > 0))
     return f"{len(mine)} | " + " | ".join(cells) + f" | {'/'.join(map(str, wins))} of {len(mine)} |"
+
+
+# --------------------------------------------------------------------------- every placement's account
+
+_LABELS = {"ramjet-rust-bundle": "our balancer with the Rust Ramjet GLM-5.3 bundle's routing settings (relative "
+                                 "basis, alpha 4, credit cap 32, phase-aware load in decode units of 256 tokens "
+                                 "capped at 4; new conversations placed like any other request)"}
+
+
+def format_best(rows: list[dict], spec: RepeatSpec = SWARM) -> str:
+    """Per cell, the setting of each kind (the name before the first colon) with the most of `spec.metric`
+    (turns/min), where a kind ran under more than one setting: how a sweep's result is read."""
+    lines = []
+    for setting, group in _groups(_ok(rows, spec.metric), tuple(k for k, _ in spec.setting)).items():
+        kinds: dict[str, dict[str, list[float]]] = {}
+        for r in group:
+            kinds.setdefault(r["placement"].split(":")[0], {}).setdefault(r["placement"], []).append(
+                r[spec.metric])
+        for kind, settings in kinds.items():
+            if len(settings) > 1:
+                best = max(settings, key=lambda s: statistics.fmean(settings[s]))
+                lines.append(f"| {kind} | " + "".join(f"{v} | " for v in setting) + f"{len(settings)} | `{best}` | "
+                             f"{statistics.fmean(settings[best]):.1f} | {len(settings[best])} |")
+    if not lines:
+        return ""
+    return "\n".join(["| kind | " + "".join(f"{h} | " for _, h in spec.setting)
+                      + f"settings tried | best | {spec.metric_header} | runs |",
+                      "|---|" + "---|" * len(spec.setting) + "---:|---|---:|---:|", *lines])
+
+
+def _counts(value) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v:,}" for k, v in value.items()) or "none"
+    return "-" if value is None else f"{value:,}"
+
+
+_SWARM_SPAN = "the end of the swarm (the engines' own count; the warm-up and the TTFT floor's probes included)"
+
+
+def placement_notes(rows: list[dict], name=cell_name, span: str = _SWARM_SPAN) -> list[str]:
+    """What each kind is, how each placement was started, the per-rank requests, its own figures (the
+    balancer's, a peer's counters); `name(row)` names a run."""
+    md = []
+    kinds = dict.fromkeys(r["placement"].split(":")[0] for r in rows)
+    labels = [f"- {k}: {_LABELS[k]}" for k in kinds if k in _LABELS]
+    labels += [f"- {k} ({peers.PEERS[k].requirement}): {peers.PEERS[k].limits}" for k in kinds if k in peers.PEERS]
+    if labels:
+        md += ["What the placements are:", "", *labels, ""]
+    launched = {}
+    for r in rows:
+        launch = r.get("launch") or {}
+        if r["placement"] not in launched and launch:
+            launched[r["placement"]] = (" ".join(launch["argv"]) if "argv" in launch else
+                                        " ".join(f"{k}={v}" for k, v in launch["env"].items()) + " ramjet serve")
+    if launched:
+        md += ["How each placement was started (its first run; ports and URLs differ per run):", "",
+               *[f"- {p}: `{cmd}`" for p, cmd in launched.items()], ""]
+    ranks = [f"{name(r)}: {s['min']:,}..{s['max']:,} requests (max/mean {s['max_over_mean']:.2f}): "
+             + " ".join(f"{n:,}" for n in s["requests"])
+             for r in rows if (s := r.get("ranks")) and s.get("max_over_mean") is not None]
+    if ranks:
+        md += [f"Requests per rank, engine by engine, from the placement's start to {span}:", "",
+               *[f"- {x}" for x in ranks], ""]
+    figures = [f"{name(r)}: " + "; ".join(f"{k.replace('_', ' ')}: {_counts(v)}" for k, v in r["peer"].items()
+                                               if k != "requests_by_worker")
+               for r in rows if r.get("peer")]
+    if figures:
+        md += ["The peers' own counters at the end of the run (their metrics endpoint; -: not exported, as a "
+               "peer registers a counter when it first counts):", "",
+               *[f"- {x}" for x in figures], ""]
+    own = [f"{name(r)}: " + ", ".join(f"{k} {v:g}" for k, v in r["balancer"].items() if v is not None)
+           for r in rows if r.get("balancer")]
+    if own:
+        md += ["The balancer's own figures (real milliseconds; *_bound: the upper bound of the histogram bucket):",
+               "", *[f"- {x}" for x in own], ""]
+    return md
 
 
 # --------------------------------------------------------------------------- files
@@ -223,6 +319,9 @@ def write_outputs(cfg, rows: list[dict]) -> None:
     md = ["# Agent-swarm comparison", "", _describe(cfg), "", format_table(rows), ""]
     if cfg.repeats > 1:
         md += ["## Over the repeats", "", format_repeats(rows), ""]
+    best = format_best(rows)
+    if best:
+        md += ["## Best setting of each kind per cell (mean turns/min over its runs)", "", best, ""]
     busy = [(cell_name(r), k, v) for r in rows for k, v in (r.get("cpu_share") or {}).items() if v >= 0.85]
     if busy:
         md += ["Warning: some processes used most of a CPU core, so simulated engine time may have stretched; "
@@ -231,11 +330,7 @@ def write_outputs(cfg, rows: list[dict]) -> None:
     states = [precise.describe(cell_name(r), r["precise"], 8 * r["engines"]) for r in rows if "precise" in r]
     if states:
         md += ["Precise mode (the balancer's /metrics after the swarm):", "", *[f"- {x}" for x in states], ""]
-    figures = [f"{cell_name(r)}: " + ", ".join(f"{k} {v:g}" for k, v in r["balancer"].items() if v is not None)
-               for r in rows if r.get("balancer")]
-    if figures:
-        md += ["The balancer's own figures (real milliseconds; *_bound: the upper bound of the histogram bucket):",
-               "", *[f"- {x}" for x in figures], ""]
+    md += placement_notes(rows)
     floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
     if floors:
         md += [("TTFT floor (median time to first token of tiny one-token requests on the idle stack, in engine "

@@ -3,8 +3,8 @@
 `load_settings()` is the entry point. It reports every problem at once (unknown
 `RJ_*` names, bad values, conflicting variables) in one ConfigError, because an
 operator fixing a Compose file should not discover errors one restart at a
-time. The variables themselves are declared in `settings.py` and documented in
-docs/configuration.md.
+time. The variables themselves are declared in `settings.py` (the Rust Ramjet's that are not
+ours in `rust.py`) and documented in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from collections.abc import Collection, Mapping
 
 from pydantic import ValidationError
 
-from ramjet.config.settings import FALSE_WORDS, TRUE_WORDS, ConfigError, Settings
-from ramjet.config.values import normalise_url, redact
+from ramjet.config.rust import rust_combinations
+from ramjet.config.settings import Settings
+from ramjet.config.values import FALSE_WORDS, TRUE_WORDS, ConfigError, normalise_url, redact
 
 PREFIX: str = Settings.model_config["env_prefix"]
 KNOWN_VARS: tuple[str, ...] = tuple(PREFIX + name.upper() for name in Settings.model_fields)
@@ -46,7 +47,7 @@ def _combinations(s: Settings) -> list[str]:
                    "only the turns it forwarded, so a session's turns, spread over the workers by the kernel, would "
                    "split across ranks and pay their prefill again; one worker is enough for a single server "
                    "(docs/operations.md, \"Several worker processes\")")
-    return out
+    return out + rust_combinations(s)
 
 
 def _unknown(env: Mapping[str, str]) -> list[str]:

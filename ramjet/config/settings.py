@@ -1,11 +1,13 @@
 """Every `RJ_*` variable: its field, type, default and per-value checks (docs/configuration.md).
 
-Built only by `ramjet.config.load_settings`, which adds the checks across variables.
+Built only by `ramjet.config.load_settings`, which adds the checks across variables. The Rust
+Ramjet's variables that are not ours (honoured, mapped, or accepted at their off value) are
+declared in `rust.py`, and the values derived from the fields in `derived.py`; Settings
+extends both.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,39 +16,24 @@ from pydantic import (AfterValidator, Field, NonNegativeInt, PositiveInt, Secret
                       field_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ramjet.config.values import is_loopback, normalise_url, parse_addr
+from ramjet.config.derived import BYTES_PER_TOKEN, Derived
+from ramjet.config.rust import RustCompat
+from ramjet.config.values import FALSE_WORDS, TRUE_WORDS, ConfigError, is_loopback, normalise_url, parse_addr
 from ramjet.routing.policies import BASES
 
+__all__ = ["BYTES_PER_TOKEN", "FALSE_WORDS", "MIB", "TRUE_WORDS", "ConfigError", "Settings"]
+
 MIB = 1024 * 1024
-BYTES_PER_TOKEN = 4  # canonical prompt bytes per token, roughly, for English text and code
-# The words pydantic accepts for a boolean (any case), for code that reads such a variable without the model.
-TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
-FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-class ConfigError(Exception):
-    """Start-up configuration is unusable; the message names every offending variable."""
-
-    def __init__(self, problems: str | list[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
-
-
-def _seconds(ms_field: str) -> property:
-    """A duration field (`*_ms`, as the variables are named) in seconds, as timers and httpx want it."""
-    return property(lambda self: getattr(self, ms_field) / 1000, doc=f"{ms_field} in seconds")
-
-
-def _addr_part(addr_field: str, part: int) -> property:
-    """Host (part 0) or port (1) of a listener address; None when that listener is off."""
-    return property(lambda self: None if (a := getattr(self, addr_field)) is None else parse_addr(a)[part])
-
 
 Url = Annotated[str, AfterValidator(normalise_url)]
 
 
-class Settings(BaseSettings):
-    """Every tunable of the balancer: field `foo_bar` is variable `RJ_FOO_BAR`. Build it with load_settings()."""
+class Settings(RustCompat, Derived):
+    """Every tunable of the balancer: field `foo_bar` is variable `RJ_FOO_BAR`. Build it with load_settings().
+
+    The Rust Ramjet's variables that are not ours come first, from RustCompat (config/rust.py); what
+    the values mean to their readers (seconds, listener parts, ...) is Derived (config/derived.py).
+    """
 
     model_config = SettingsConfigDict(env_prefix="RJ_", frozen=True)
 
@@ -278,71 +265,3 @@ class Settings(BaseSettings):
         if isinstance(v, Path) and v.is_dir():
             raise ValueError("is a directory; expected true/false or a file path to append to")
         return v
-
-    # --- derived values ---
-
-    @property
-    def upstreams(self) -> list[str]:
-        """RJ_UPSTREAM as normalised URLs, in order (duplicates kept: DP_RANKS lists one URL per rank)."""
-        return list(self.upstream)
-
-    @property
-    def policy_name(self) -> str:
-        """The routing policy to build (ramjet.routing.policies.POLICY_NAMES): `load`, or the affinity basis."""
-        return "load" if self.affinity == "load" else self.route_affinity_basis
-
-    @property
-    def balance_new_sessions(self) -> bool:
-        """RJ_ROUTE_NEW_SESSIONS: `auto` balances new conversations with the approximate index only.
-
-        In precise mode several balancers must decide alike (docs/operations.md), and whether a
-        request starts a conversation depends on what this one balancer has seen answered.
-        """
-        if self.route_new_sessions == "auto":
-            return self.kv_events == "off"
-        return self.route_new_sessions == "balance"
-
-    @property
-    def journal_target(self) -> None | Literal["stdout"] | Path:
-        """RJ_ROUTE_JOURNAL: off (None), JSON lines on stdout, or a file to append to."""
-        if isinstance(self.route_journal, Path):
-            return self.route_journal
-        return "stdout" if self.route_journal else None
-
-    def index_capacity_for(self, kv_capacity_tokens: int | None = None) -> int:
-        """Index entries (blocks) for one replica.
-
-        An explicit RJ_ROUTE_INDEX_CAPACITY wins. Otherwise the replica's KV capacity
-        (argument, else RJ_ROUTE_KV_CAPACITY_TOKENS) sizes it: a block of
-        route_chunk_bytes holds about chunk/4 tokens, so the index remembers about
-        as many blocks as the rank's cache can hold, and forgets as the cache would.
-        """
-        if "route_index_capacity" in self.model_fields_set:
-            return self.route_index_capacity
-        tokens = kv_capacity_tokens if kv_capacity_tokens is not None else self.route_kv_capacity_tokens
-        if tokens is None:
-            return self.route_index_capacity
-        return max(1, math.ceil(tokens * BYTES_PER_TOKEN / self.route_chunk_bytes))
-
-    api_host = _addr_part("api_addr", 0)
-    api_port = _addr_part("api_addr", 1)
-    metrics_host = _addr_part("metrics_addr", 0)
-    metrics_port = _addr_part("metrics_addr", 1)
-    admin_host = _addr_part("admin_addr", 0)
-    admin_port = _addr_part("admin_addr", 1)
-
-    connect_timeout_s = _seconds("upstream_connect_timeout_ms")
-    first_byte_timeout_s = _seconds("upstream_first_byte_timeout_ms")
-    pool_idle_timeout_s = _seconds("upstream_pool_idle_timeout_ms")
-    health_interval_s = _seconds("health_interval_ms")
-    health_timeout_s = _seconds("health_timeout_ms")
-    rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
-    liveness_window_s = _seconds("liveness_window_ms")
-    kv_events_silence_s = _seconds("kv_events_silence_ms")
-    state_interval_s = _seconds("state_interval_ms")
-    shutdown_drain_s = _seconds("shutdown_drain_ms")
-    shutdown_grace_s = _seconds("shutdown_grace_ms")
-    engine_load_interval_s = _seconds("engine_load_interval_ms")
-    client_header_timeout_s = _seconds("client_header_timeout_ms")
-    client_body_timeout_s = _seconds("client_body_timeout_ms")
-    client_idle_timeout_s = _seconds("client_idle_timeout_ms")

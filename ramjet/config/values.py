@@ -1,10 +1,23 @@
-"""Parsers of the values settings hold: engine URLs, listener addresses, and what a secret looks like in a message."""
+"""Parsers of the values settings hold (engine URLs, listener addresses, what a secret looks like in a
+message), the on/off words every setting shares, and the one error a bad configuration raises."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 from urllib.parse import urlsplit
+
+# The words pydantic accepts for a boolean (any case), for code that reads such a variable without the model.
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+class ConfigError(Exception):
+    """Start-up configuration is unusable; the message names every offending variable."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 def redact(text: str) -> str:

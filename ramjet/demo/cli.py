@@ -12,7 +12,7 @@ import socket
 import sys
 import tempfile
 
-from ramjet.demo import procs
+from ramjet.bench import procs
 from ramjet.demo.sessions import run_sessions
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -275,7 +275,8 @@ class EventStream:
         dealer.linger = 0
         try:
             dealer.connect(self.endpoints.replay)
-            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self._replay_timeout_s)
+            async with asyncio.timeout(self._replay_timeout_s):
+                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 if not await dealer.poll(timeout_ms, zmq.POLLIN):
                     self.counters.replay_timeouts += 1

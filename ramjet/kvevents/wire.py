@@ -37,12 +37,11 @@ from typing import Any
 
 import msgpack
 
+from ramjet.kvevents.fields import (WireError, block_hash, block_hashes, describe, frozen_extra_keys, integer, ints,
+                                    opt_int, opt_number, opt_str)
+
 SEQ_BYTES = 8
 END_OF_REPLAY = -1
-
-
-class WireError(ValueError):
-    """A frame or payload that is not an engine's KV event format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +152,8 @@ def decode_load(frames: list[bytes]) -> LoadStat:
         raise WireError("a load payload is a msgpack array tagged 'LoadStat'")
     if len(stat) < 5:
         raise WireError(f"a LoadStat carries at least 4 counts, got {len(stat) - 1}")
-    counts = [_int(v, name) for v, name in zip(stat[1:5], _LOAD_REQUIRED)]
-    optional = [_opt_number(v, name) for v, name in zip(stat[5:], _LOAD_OPTIONAL)]
+    counts = [integer(v, name) for v, name in zip(stat[1:5], _LOAD_REQUIRED)]
+    optional = [opt_number(v, name) for v, name in zip(stat[5:], _LOAD_OPTIONAL)]
     if optional and optional[0] is not None and not isinstance(optional[0], int):
         raise WireError("LoadStat attn_dp_rank must be an integer")
     return LoadStat(seq, *counts, *optional)
@@ -167,14 +166,14 @@ _LOAD_OPTIONAL = ("attn_dp_rank", "num_waiting_uncached_tokens", "num_total_toke
 
 def _count(frames: list[bytes]) -> int:
     if not isinstance(frames, (list, tuple)):
-        raise WireError(f"a message is a list of frames, got {_describe(frames)}")
+        raise WireError(f"a message is a list of frames, got {describe(frames)}")
     return len(frames)
 
 
 def _seq(frame: bytes) -> int:
     """A sequence frame: 8 bytes big-endian; all ones is the end marker, -1."""
     if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) != SEQ_BYTES:
-        raise WireError(f"a sequence number is {SEQ_BYTES} bytes, got {_describe(frame)}")
+        raise WireError(f"a sequence number is {SEQ_BYTES} bytes, got {describe(frame)}")
     frame = bytes(frame)
     return END_OF_REPLAY if frame == b"\xff" * SEQ_BYTES else int.from_bytes(frame, "big")
 
@@ -189,10 +188,10 @@ def decode_payload(payload: bytes, seq: int) -> Batch:
         raise WireError("a batch payload is a msgpack array [ts, events, rank]")
     ts, raw_events = batch[0], batch[1]
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
-        raise WireError(f"a batch timestamp is a number, got {_describe(ts)}")
+        raise WireError(f"a batch timestamp is a number, got {describe(ts)}")
     if not isinstance(raw_events, list):
-        raise WireError(f"a batch's events are an array, got {_describe(raw_events)}")
-    rank = _opt_int(batch[2], "rank") if len(batch) > 2 else None
+        raise WireError(f"a batch's events are an array, got {describe(raw_events)}")
+    rank = opt_int(batch[2], "rank") if len(batch) > 2 else None
     events, skipped = [], 0
     for raw in raw_events:
         event = _event(raw)
@@ -205,7 +204,7 @@ def decode_payload(payload: bytes, seq: int) -> Batch:
 
 def _unpack(payload: bytes) -> Any:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise WireError(f"a payload is bytes, got {_describe(payload)}")
+        raise WireError(f"a payload is bytes, got {describe(payload)}")
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # noqa: BLE001 -- msgpack raises several unrelated types for bad input
@@ -219,9 +218,9 @@ def _event(raw: Any) -> BlockStored | BlockRemoved | AllBlocksCleared | None:
     elif isinstance(raw, list) and raw:
         kind = raw[0]
     else:
-        raise WireError(f"an event is a map or a tagged array, got {_describe(raw)}")
+        raise WireError(f"an event is a map or a tagged array, got {describe(raw)}")
     if not isinstance(kind, str):
-        raise WireError(f"an event's type tag is a string, got {_describe(kind)}")
+        raise WireError(f"an event's type tag is a string, got {describe(kind)}")
     build = _BUILDERS.get(kind)
     if build is None:
         return None
@@ -238,7 +237,7 @@ def _stored(f: dict) -> BlockStored:
             raise WireError(f"BlockStored lacks {name}")
     optional = {}
     if "medium" in f:
-        optional["medium"] = _opt_str(f["medium"], "medium")
+        optional["medium"] = opt_str(f["medium"], "medium")
     slot7 = f.get("lora_name_or_metadata")
     if isinstance(slot7, dict):  # SGLang 0.5.18-0.5.19 metadata map
         f = {**slot7, **f}
@@ -248,17 +247,17 @@ def _stored(f: dict) -> BlockStored:
     if isinstance(metadata, dict):  # the map form proposed in SGLang PR #37271
         f = {**metadata, **f}
     return BlockStored(
-        block_hashes=_hashes(f["block_hashes"]),
-        parent_block_hash=None if f["parent_block_hash"] is None else _hash(f["parent_block_hash"]),
-        token_ids=_ints(f["token_ids"], "token_ids"),
-        block_size=_int(f["block_size"], "block_size"),
-        lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-        extra_keys=_extra_keys(f.get("extra_keys")),
-        cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
-        group_idx=_opt_int(f.get("group_idx"), "group_idx"),
-        kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
-        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
-        session_id=_opt_str(f.get("session_id"), "session_id"),
+        block_hashes=block_hashes(f["block_hashes"]),
+        parent_block_hash=None if f["parent_block_hash"] is None else block_hash(f["parent_block_hash"]),
+        token_ids=ints(f["token_ids"], "token_ids"),
+        block_size=integer(f["block_size"], "block_size"),
+        lora_id=opt_int(f.get("lora_id"), "lora_id"),
+        extra_keys=frozen_extra_keys(f.get("extra_keys")),
+        cache_salt=opt_str(f.get("cache_salt"), "cache_salt"),
+        group_idx=opt_int(f.get("group_idx"), "group_idx"),
+        kv_cache_spec_kind=opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        lora_name=opt_str(f.get("lora_name"), "lora_name"),
+        session_id=opt_str(f.get("session_id"), "session_id"),
         **optional,
     )
 
@@ -266,8 +265,8 @@ def _stored(f: dict) -> BlockStored:
 def _removed(f: dict) -> BlockRemoved:
     if "block_hashes" not in f:
         raise WireError("BlockRemoved lacks block_hashes")
-    return BlockRemoved(_hashes(f["block_hashes"]), _opt_str(f.get("medium"), "medium"),
-                        _opt_int(f.get("group_idx"), "group_idx"))
+    return BlockRemoved(block_hashes(f["block_hashes"]), opt_str(f.get("medium"), "medium"),
+                        opt_int(f.get("group_idx"), "group_idx"))
 
 
 def _cleared(_: dict) -> AllBlocksCleared:
@@ -282,70 +281,3 @@ _POSITIONAL = {
     "AllBlocksCleared": (),
 }
 _REQUIRED_POSITIONAL = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
-
-
-# ----------------------------------------------------------------------------- field checks
-
-
-def _hash(value: Any) -> int:
-    if isinstance(value, (bytes, bytearray)):
-        return int.from_bytes(value, "big")
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise WireError(f"a block hash is an integer or bytes, got {_describe(value)}")
-
-
-def _hashes(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise WireError(f"block_hashes is an array, got {_describe(value)}")
-    return tuple(_hash(h) for h in value)
-
-
-def _ints(value: Any, name: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise WireError(f"{name} is an array, got {_describe(value)}")
-    return tuple(_int(v, name) for v in value)
-
-
-def _int(value: Any, name: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise WireError(f"{name} is an integer, got {_describe(value)}")
-
-
-def _opt_int(value: Any, name: str) -> int | None:
-    return None if value is None else _int(value, name)
-
-
-def _opt_number(value: Any, name: str) -> int | float | None:
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value
-    raise WireError(f"{name} is a number or nil, got {_describe(value)}")
-
-
-def _opt_str(value: Any, name: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise WireError(f"{name} is a string or nil, got {_describe(value)}")
-
-
-def _extra_keys(value: Any) -> tuple | None:
-    """vLLM's per-block hash inputs beyond tokens (LoRA name, cache salt, multimodal ids), kept hashable."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise WireError(f"extra_keys is an array or nil, got {_describe(value)}")
-    return _freeze(value)
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted(((_freeze(k), _freeze(v)) for k, v in value.items()), key=repr))
-    return value
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"

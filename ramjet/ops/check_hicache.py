@@ -27,14 +27,11 @@ from dataclasses import dataclass
 
 import httpx
 
+from ramjet.ops.engine_json import CheckError, engine_json
 from ramjet.ops.hicache_probe import (TOOLS, Fact, flood_messages, host_cached_tokens, judge, make_fact,
                                       pinned_messages, tier_report)
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
-
-
-class CheckError(Exception):
-    """The engine cannot be reached, refused a request, or answered something unusable."""
 
 
 @dataclass(frozen=True)
@@ -72,20 +69,10 @@ class Checker:
         self.model = opts.model or "default"
 
     async def _json(self, method: str, path: str, body: dict | None = None, fallback: str | None = None) -> dict:
-        try:
-            r = await self.client.request(method, path, json=body)
-            if fallback and r.status_code in (404, 405):  # SGLang's older spelling of the route
-                path, r = fallback, await self.client.request(method, fallback, json=body)
-        except httpx.HTTPError as e:
-            raise CheckError(f"{method} {path}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise CheckError(f"{method} {path} answered {r.status_code}: {r.text[:300]}")
-        try:
-            data = r.json()
-        except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            raise CheckError(f"{method} {path} did not answer a JSON object: {r.text[:200]!r}")
+        """`path`'s JSON object; with `fallback`, SGLang's older spelling of the route when `path` is missing."""
+        data = await engine_json(self.client, method, path, body, missing_ok=fallback is not None)
+        if data is None:
+            data = await engine_json(self.client, method, fallback, body)
         return data
 
     async def engine_info(self) -> EngineInfo:

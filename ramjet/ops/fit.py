@@ -24,7 +24,19 @@ H200_HBM_GB = 141.0
 DEFAULT_UTIL = 0.92
 DEFAULT_OVERHEAD_GB = 12.0
 DEFAULT_CTX = 262_144
-MLA_ROW_BYTES = 576  # fp8 latent (512) + rope (64) per layer; FlashMLA's fp8_ds_mla layout stores 656
+# Latent row bytes per layer and token. 576: the 512-element latent and 64-element rope in one byte each
+# (vLLM's FlashInfer sparse backend, the B200 default for an fp8 cache). 656: FlashMLA's FP8 layout
+# (fp8_ds_mla): the latent in fp8 (512), four fp32 scales (16) and the rope kept in bf16 (128). SGLang
+# stores a DeepSeek sparse-attention model's FP8 cache in that layout on NVIDIA GPUs (its NSA KV pool), so
+# GLM-5.3 on the H200 bundle costs 656 a layer; a 16-bit cache costs 576 x 2.
+MLA_ROW_BYTES = 576
+FLASHMLA_FP8_ROW_BYTES = 656
+BF16_ROW_BYTES = 1152
+# The per-GPU overhead that makes this estimate match the GLM-5.3 H200 measurement (about 193,000 tokens per
+# rank, 1.55M per server, at 141 GB x 0.85 with FP8 weights and one MTP layer): fitted, not derived. It
+# stands for what SGLang holds outside the weights and the pool (attention weights replicated on every DP
+# rank, DeepEP buffers, CUDA graphs).
+H200_FITTED_OVERHEAD_GB = 14.8
 LAYOUTS = ("tp", "dcp", "dp-attention")
 INDEXER_KEYS = ("index_topk", "index_head_dim", "index_n_heads", "index_topk_freq", "index_topk_pattern")
 
@@ -84,6 +96,11 @@ class Model:
         """Cache bytes one token costs across the model; an MTP layer carries both rows too."""
         with_indexer = self.indexer_layers + mtp_layers if self.indexer_row_bytes else 0
         return mla_bytes * (self.layers + mtp_layers) + self.indexer_row_bytes * with_indexer
+
+
+def sglang_row_bytes(kv_cache_dtype: str | None) -> int:
+    """Latent row bytes per layer for SGLang's `--kv-cache-dtype` with a DeepSeek sparse-attention model."""
+    return FLASHMLA_FP8_ROW_BYTES if (kv_cache_dtype or "").startswith("fp8") else BF16_ROW_BYTES
 
 
 def count_indexer_layers(cfg: dict[str, Any], layers: int) -> int:
@@ -226,7 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_positive_ints, default=(4, 8), help="GPUs per replica, comma list (default 4,8)")
     parser.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens in one full session (default {DEFAULT_CTX})")
     parser.add_argument("--mla-bytes", type=int, default=MLA_ROW_BYTES,
-                        help=f"latent row bytes per layer (default {MLA_ROW_BYTES}, fp8; 656 for FlashMLA's layout)")
+                        help=f"latent row bytes per layer (default {MLA_ROW_BYTES}: fp8, vLLM's FlashInfer layout; "
+                             f"{FLASHMLA_FP8_ROW_BYTES}: FlashMLA's fp8_ds_mla layout, which SGLang uses for an FP8 "
+                             "cache, as in deploy/glm53_h200)")
     parser.add_argument("--mtp-layers", type=int, default=0, help="MTP (draft) layers that also keep a cache (default 0)")
     parser.add_argument("--dcp", type=int, default=None, help="decode context parallel size (default: the TP size)")
     parser.add_argument("--layout", choices=(*LAYOUTS, "all"), default="all", help="which layouts to show (default all)")

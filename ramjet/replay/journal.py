@@ -134,6 +134,9 @@ class _Lines:
         if self.restarts:
             notes.append(f"{self.restarts} later balancer start(s) in the journal: the replay keeps one router "
                          "throughout")
+        if self.header is not None and self.header.get("load_model"):
+            notes.append("recorded under the Rust Ramjet's decode load model (RJ_ROUTE_PHASE_AWARE_LOAD, ...): the "
+                         "replay reserves load by ours (routing/units.py), not by that model")
         precise = sum(r.precise for r in self.requests)
         if precise:
             notes.append(f"{precise} request(s) were routed on engine KV events (precise mode), which are not "

@@ -4,7 +4,9 @@ Pure state and arithmetic, no I/O and no clock, so every decision can be
 replayed (tests/test_routing_replay.py). The balancer tells it which replicas
 serve and how loaded they are, and which replica answered; it keeps the prefix
 index and, for new-session placement, the demand, the answered conversations and
-the cache pressure. Ties are broken by a hash of the request, not a
+the cache pressure. `decide` is a query: it changes nothing, so asking how a
+request would be routed (the operator API's explain) never changes the next
+answer. Everything it learns, it learns in `answered`. Ties are broken by a hash of the request, not a
 counter, so balancers that see the same replicas decide alike (docs/design.md).
 """
 
@@ -33,6 +35,7 @@ class Decision:
     ranking: Ranking
     new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
     policy: str              # the policy that ranked it
+    continued: int = 0       # leading blocks an earlier answered request ended with (0: it continues none)
 
     def units(self, replica: int, params: Params) -> float:
         """Load units this request reserves on `replica`."""
@@ -72,34 +75,36 @@ class Router:
         covered = [fp.covered_bytes(o) for o in overlaps]
         if held is not None and self.policy.reads_overlap:
             covered = [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
-        new_session = self.balance_new_sessions and self._new_session(fp.blocks, overlaps)
+        continued = self.conversations.continued_depth(fp.blocks) if self.balance_new_sessions else 0
+        new_session = self.balance_new_sessions and self._new_session(fp.blocks, overlaps, continued)
         policy = self.new_sessions if new_session else self.policy
         candidates = Candidates([c / chunk for c in covered], loads, serving,
                                 fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
         ranking = rank(policy, candidates, rendezvous(fp.blocks[-1] if fp.blocks else 0, n))
-        return Decision(fp, overlaps, covered, ranking, new_session, policy.name)
+        return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued)
 
-    def _new_session(self, blocks: list[int], overlaps: list[int]) -> bool:
+    def _new_session(self, blocks: list[int], overlaps: list[int], continued: int) -> bool:
         """Does this request start a conversation, and may it be placed for balance?
 
         It continues one when its deepest match ends where an answered request ended (the index's
-        end marks) or when it holds an earlier request's whole chain (the conversation memory, which
-        eviction does not touch). A continuing request that no replica still holds whole tells that
-        the caches are evicting live conversations; while that happens to more than PRESSURE of
-        them (routing/pressure.py), new ones go where their shared prefix already is (the policy's
-        own placement), so that spreading them does not cost the room the live ones need.
+        end marks) or when it holds an earlier request's whole chain (`continued`: the conversation
+        memory, which eviction does not touch). While the caches evict live conversations
+        (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
+        (the policy's own placement), so that spreading them does not cost the room the live ones need.
         """
-        depth = self.conversations.continued_depth(blocks)
-        if depth:
-            self.pressure.observe(max(overlaps, default=0) < depth)
-        if depth or self.index.continues(blocks, overlaps):
+        if continued or self.index.continues(blocks, overlaps):
             return False
         return not self.pressure.high()
 
     def answered(self, replica: int, decision: Decision) -> None:
-        """`replica` answered 2xx: it now holds the request's prefix."""
+        """`replica` answered 2xx: it now holds the request's prefix.
+
+        A continuing request that no replica still held whole tells that the caches are evicting
+        live conversations (the cache pressure)."""
         self.index.record(replica, decision.fingerprint.blocks)
         if self.balance_new_sessions:
+            if decision.continued:
+                self.pressure.observe(max(decision.overlaps, default=0) < decision.continued)
             self.demand.record(replica, decision.fingerprint.prompt_bytes)
             self.conversations.key(decision.fingerprint.blocks)
 

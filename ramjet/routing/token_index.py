@@ -23,32 +23,14 @@ from operator import and_, or_
 
 import xxhash
 
+from ramjet.routing.token_blocks import chain, chain_seed
+
 GPU = "GPU"
 HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
 _FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
 RUN = 32  # blocks a walk tries to skip at once
 REMOVALS_KEPT = 200_000  # per replica: the last evictions, for checking predictions made before them
 _ZEROS = repeat(0)
-
-
-def chain_seed(lora_id: int | None = None, cache_salt: str | None = None) -> int:
-    """Where a chain starts: different adapters or salts never share blocks."""
-    if lora_id is None and cache_salt is None:
-        return 0
-    return xxhash.xxh3_64_intdigest(f"{lora_id}|{cache_salt}".encode())
-
-
-def chain(ids: array, block_size: int, seed: int = 0, start: int = 0, parent: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `ids` from block `start` on (after `parent`, or from `seed`)."""
-    data = memoryview(ids).cast("B")
-    width = block_size * ids.itemsize
-    h = seed if parent is None else parent
-    out = []
-    digest = xxhash.xxh3_64_intdigest
-    for offset in range(start * width, (len(ids) // block_size) * width, width):
-        h = digest(data[offset:offset + width], h)
-        out.append(h)
-    return out
 
 
 @dataclass(slots=True)

@@ -22,11 +22,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ramjet.sim.config import FAULT_MODES, VERSION, SimConfig
-from ramjet.sim.engine import Engine, rank_chunk_tokens
+from ramjet.sim.engine import Engine
 from ramjet.sim.kv_events import load_endpoint
 from ramjet.sim.kv_wire import tcp_host, tcp_port
 from ramjet.sim.metrics import metrics_renderer
-from ramjet.sim.protocol import UNBOUNDED_MAX_TOKENS, ApiError, bad_request, output_tokens, parse_body, parse_generation
+from ramjet.sim.protocol import (UNBOUNDED_MAX_TOKENS, ApiError, bad_request, output_tokens, parse_body,
+                                 parse_generation)
+from ramjet.sim.rank import rank_chunk_tokens
 from ramjet.sim.responses import FORMATTERS, GenerationResponse
 from ramjet.sim.tokens import Prompt, make_prompt
 

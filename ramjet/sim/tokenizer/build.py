@@ -129,7 +129,15 @@ def _corpus() -> tuple[list[str], dict[str, str]]:
 
 
 def build(out: str) -> dict[str, float]:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
 
     texts, held = _corpus()
     tok = Tokenizer(models.BPE())

@@ -1,0 +1,299 @@
+"""Precise mode (RJ_KV_EVENTS=zmq): route on what the engines report they hold, replica by replica.
+
+Each replica's KV event stream (ramjet.kvevents) feeds the token index; a
+request is tokenized as its engine will tokenize it (off the event loop) and
+matched against it. A replica is trusted (precise) only while its stream is
+complete and its predictions agree with what its engine reports; otherwise it
+falls back to the approximate index, which is kept warm all along, so the
+fallback costs nothing but precision:
+
+- at start, until the start-up replay reached back to the stream's first batch;
+  a replay that cannot reach back (the engine ran longer than its buffer) makes
+  it partial, trusted again once its predictions agree;
+- a sequence gap the replay cannot fill: the same;
+- a silent stream (no batch within RJ_KV_EVENTS_SILENCE_MS of an answer that
+  must have stored blocks; an idle engine is silent and fine): until it speaks;
+- predictions that miss the engine-reported cached tokens by more than a block
+  on AGREE_WINDOW answers in a row: until they agree again as often;
+- a restart (the sequence went back, or a new stream): the replica holds
+  nothing, which is known exactly, so it stays trusted;
+- a dropped connection to the publisher (the engine stopped, restarted between
+  health probes, or the network failed): what it held is forgotten, by both
+  indexes, and it is not trusted until its next stream proves complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from ramjet.balancer.cluster.fleet import Fleet
+from ramjet.balancer.cluster.topology import Replica
+from ramjet.balancer.engines.client import EngineClient
+from ramjet.balancer.engines.upstream import UpstreamFailure
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.precise.matcher import Matcher
+from ramjet.balancer.precise.trust import Trust
+from ramjet.errors import ApiError
+from ramjet.kvevents.discovery import Endpoints, from_operator, from_server_info
+from ramjet.kvevents.subscriber import EventStream, StreamState
+from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from ramjet.routing.token_index import Held
+
+log = logging.getLogger("ramjet.precise")
+
+EXPECT_S = 5.0        # how long a routed request's blocks count as held before the engine reports them
+SWEEP_S = 1.0         # how often expected blocks the engine never reported are dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """One request seen through the engines' reports."""
+
+    prompt_tokens: int
+    held: list[Held]                   # what each replica holds of it (GPU, host tier)
+    shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
+    chains: dict[int, list[int]]       # the prompt's block chain at each engine block size
+    known: list[bool]                  # whether a replica's block size was known: without it, no prediction
+    removals: int = 0                  # the token index's eviction mark when it was matched
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseSettings:
+    events_endpoint: str | None     # RJ_KV_EVENTS_ENDPOINT: a template or list; None: the engine's /server_info
+    replay_endpoint: str | None     # RJ_KV_EVENTS_REPLAY_ENDPOINT
+    topic: str                      # RJ_KV_EVENTS_TOPIC: a prefix; "" takes every topic
+    silence_s: float                # RJ_KV_EVENTS_SILENCE_MS
+
+
+class PreciseMode:
+    """The engines' KV event streams -> the token index and each replica's trust; predictions checked."""
+
+    def __init__(self, replicas: list[Replica], fleet: Fleet, metrics: Metrics, matcher: Matcher,
+                 settings: PreciseSettings):
+        self.replicas = replicas
+        self.fleet = fleet
+        self.metrics = metrics
+        self.matcher = matcher
+        self.index = matcher.index
+        self.s = settings
+        self.trust = [Trust() for _ in replicas]
+        self.streaming = [False] * len(replicas)
+        self._media: list[set[str]] = [set() for _ in replicas]  # tiers each replica has reported
+        self._streams: list[EventStream | None] = [None] * len(replicas)
+        self._resume: list[tuple[str, int, float] | None] = [None] * len(replicas)  # restored: (events, seq, ts)
+        self._gauges = [metrics.for_replica(r.labels) for r in replicas]
+
+    # --- routing ---------------------------------------------------------------------
+    async def match(self, route: str, body: dict) -> Match | None:
+        """What each replica holds of this request, and the shares the router may use (None where not trusted).
+
+        None when the request cannot be tokenized as its engine would: it is routed approximately.
+        """
+        now = time.monotonic()
+        try:
+            prompt_tokens, held, chains = await self.matcher.held(route, body)
+        except ApiError:
+            return None
+        shares = self.matcher.shares(prompt_tokens, held)
+        known = [size in chains for size in self.index.block_size]
+        return Match(prompt_tokens, held, [s if k and t.trusted(now) else None
+                                           for s, k, t in zip(shares, known, self.trust)], chains, known,
+                     self.index.removals)
+
+    def sent(self, i: int, match: Match) -> None:
+        """The request goes to replica i: until its first byte, its blocks bound what i may hold."""
+        hashes = self._chain(i, match)
+        if hashes:
+            self.index.started(i, hashes)
+
+    def computed(self, i: int, match: Match) -> None:
+        """Replica i answered this request's first byte with a 2xx: its blocks are there,
+        reported or soon to be, and count as held until reported or EXPECT_S.
+
+        Not counted as held from the moment the request is sent: every session's first turn would
+        then follow the first one's shared harness to its replica before any answered (measured: 16
+        sessions on 1 of 8 ranks in tests/test_precise.py's workload), where the approximate index,
+        which also learns at the answer, spreads them."""
+        hashes = self._chain(i, match)
+        if hashes:
+            now = time.monotonic()
+            self.index.ended(i, hashes)
+            self.index.expect(i, hashes, now + EXPECT_S, now)
+
+    def failed(self, i: int, match: Match) -> None:
+        """Replica i did not answer, or answered with an error: it computed nothing."""
+        hashes = self._chain(i, match)
+        if hashes:
+            self.index.ended(i, hashes)
+
+    def _chain(self, i: int, match: Match) -> list[int] | None:
+        """The request's block hashes at replica i's block size (no event from it yet: a fleet-wide size)."""
+        size = self.index.block_size[i] or next(iter(match.chains), None)
+        return match.chains.get(size)
+
+    def observe(self, i: int, match: Match, approximate: int, reported: int, prompt_tokens: int) -> None:
+        """An answered request on replica i: the engine reported `reported` of `prompt_tokens` cached.
+
+        The prediction agrees when the report lies within a block of what i held, or of what it could
+        hold by then: the blocks of requests in flight there when this one was matched. A report below
+        that is still consistent with the stream when the engine's events removed, after the match, the
+        block where the engine's cached prefix ended: on a full cache a turn queued for long finds part
+        of its prefix evicted (measured: most misses at 64 agents without a host tier), which the stream
+        told truly. The replica's trust follows consistency; the metric counts the prediction."""
+        if not self.streaming[i]:  # no publisher: nothing to trust or distrust
+            return
+        block = self.index.block_size[i] or 1
+        held = match.held[i]
+        agreed = held.tokens - block <= reported <= max(held.tokens, held.reach_tokens) + block
+        consistent = agreed
+        if reported < held.tokens - block and (hashes := self._chain(i, match)):
+            end = reported // block  # the first block the engine did not find
+            consistent = self.index.removed_since(i, hashes[max(end - 1, 0):end + 2], match.removals)
+        was = self.trust[i].trusted(time.monotonic())
+        self.trust[i].compare(consistent)
+        if prompt_tokens - reported >= 2 * block:  # it computed whole new blocks: the engine will report them
+            self.trust[i].owed(time.monotonic() + self.s.silence_s)
+        self.metrics.predictions.labels("precise", str(agreed).lower()).inc()
+        self.metrics.predictions.labels("approximate", str(abs(approximate - reported) <= block).lower()).inc()
+        self._mode_changed(i, was)
+
+    # --- streams ---------------------------------------------------------------------
+    async def run(self, client: EngineClient) -> None:
+        """Discover every replica's publishers, then follow them all (until cancelled)."""
+        endpoints = await self._discover(client)
+        for i, e in enumerate(endpoints):  # known before any event arrives, so routed requests count at once
+            if e is not None and e.block_size and not self.index.block_size[i]:
+                self.index.block_size[i] = e.block_size
+        await asyncio.gather(self._sweep(), *(self._follow(i, e) for i, e in enumerate(endpoints) if e is not None))
+
+    async def _sweep(self) -> None:
+        """Drop, every SWEEP_S, the blocks expected from answered requests that the engine never reported."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.index.sweep(time.monotonic())
+
+    async def _discover(self, client: EngineClient) -> list[Endpoints | None]:
+        infos: dict[str, dict | None] = {}
+        out: list[Endpoints | None] = []
+        for i, r in enumerate(self.replicas):
+            rank = r.dp_rank or 0
+            if r.engine not in infos:
+                infos[r.engine] = await _server_info(client, r.engine)
+                if infos[r.engine] is not None:  # an SGLang engine: it joins a message's text parts with spaces
+                    self.matcher.join_text_parts_with(" ")
+            try:
+                if self.s.events_endpoint:
+                    out.append(from_operator(self.s.events_endpoint, r.engine, rank, i, replay=self.s.replay_endpoint,
+                                             topic=self.s.topic))
+                    continue
+                found = from_server_info(infos[r.engine], r.engine, rank) if infos[r.engine] else None
+                if found is not None and self.s.replay_endpoint:
+                    found = replace(found, replay=from_operator(self.s.replay_endpoint, r.engine, rank, i).events)
+                out.append(found)
+            except ValueError as e:
+                log.warning("upstream %s: KV events: %s; it is routed approximately", r.ordinal, e)
+                out.append(None)
+            if out[-1] is None:
+                self.trust[i].reason = "no event publisher"
+        return out
+
+    async def _follow(self, i: int, endpoints: Endpoints) -> None:
+        self.streaming[i] = True
+        saved, self._resume[i] = self._resume[i], None
+        if saved is not None and saved[0] != endpoints.events:  # another publisher: the saved view is not its
+            self.index.clear(i)
+            saved = None
+        stream = EventStream(endpoints, resume=saved and (saved[1], saved[2]), silence_s=self.s.silence_s)
+        self._streams[i] = stream
+        labels = self.replicas[i].labels
+        try:
+            async for item in stream.items():
+                was = self.trust[i].trusted(time.monotonic())
+                if isinstance(item, StreamState):
+                    self.metrics.kv_stream_states.labels(*labels, item.kind).inc()
+                    if item.kind in ("restart", "disconnected"):  # its caches are gone, or unknown: both indexes
+                        self.fleet.cache_lost(i)  # which calls forget(i) here
+                    self.trust[i].stream(item.kind)
+                else:
+                    self._apply(i, item)
+                if stream.complete and not self.trust[i].synced and self.trust[i].reason != "partial":
+                    self.trust[i].synced_from_start()
+                self._mode_changed(i, was)
+        finally:
+            stream.close()
+
+    def _apply(self, i: int, batch: Batch) -> None:
+        m, labels = self.metrics, self.replicas[i].labels
+        m.kv_batches.labels(*labels).inc()
+        m.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                self.index.stored(i, e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
+                                  e.lora_id, e.cache_salt, e.extra_keys, e.kv_cache_spec_kind)
+            elif isinstance(e, BlockRemoved):
+                self.index.removed(i, e.block_hashes, e.medium)
+            elif isinstance(e, AllBlocksCleared):
+                self.index.clear(i)
+            m.kv_events.labels(*labels, type(e).__name__).inc()
+        self.trust[i].batch()
+        self._resident_changed(i)
+
+    def _resident_changed(self, i: int) -> None:
+        resident = self.index.resident_tokens(i)
+        self._media[i].update(resident)  # a tier once reported is reported as empty once it is
+        for medium in self._media[i]:
+            self.metrics.kv_resident_tokens.labels(*self.replicas[i].labels, medium).set(resident.get(medium, 0))
+
+    def _mode_changed(self, i: int, was: bool) -> None:
+        now = self.trust[i].trusted(time.monotonic())
+        self._gauges[i].kv_precise.set(1 if now else 0)
+        if now != was:
+            log.info("upstream %s routes %s%s", self.replicas[i].ordinal, "precisely" if now else "approximately",
+                     "" if now else f" ({self.trust[i].reason})")
+
+    def forget(self, i: int) -> None:
+        """The replica's cache is gone (its engine stopped, or its stream restarted or dropped): whatever it held
+        is forgotten. Subscribed to the Fleet's cache losses (runtime/build.py)."""
+        self.index.clear(i)
+        self._resident_changed(i)
+
+    def export_view(self, i: int) -> dict | None:
+        """What replica i's engine reported it holds, with the batch that says so (None: nothing to vouch for)."""
+        stream, pending = self._streams[i], self._resume[i]
+        if stream is None and pending is not None:  # restored, and stopped again before its stream resumed
+            return {"index": self.index.export(i), "stream": list(pending)}
+        if stream is None or stream.last is None or stream.complete is not True:  # a partial view stays partial
+            return None
+        return {"index": self.index.export(i), "stream": [stream.endpoints.events, *stream.last]}
+
+    def restore_view(self, i: int, view: dict) -> None:
+        """A view saved by `export_view` before a restart: used once the replica's stream vouches for it."""
+        events, seq, ts = view["stream"]
+        if not isinstance(events, str) or not isinstance(seq, int) or not isinstance(ts, float):
+            raise ValueError(f"a stream position is (endpoint, seq, ts), got {view['stream']!r}")
+        self.index.restore(i, view["index"])
+        self._resume[i] = (events, seq, ts)
+        self._resident_changed(i)
+
+    def report(self, i: int) -> dict:
+        t = self.trust[i]
+        trusted = t.trusted(time.monotonic())
+        return {"mode": "precise" if trusted else "approximate", "reason": None if trusted else t.reason,
+                "blocks": self.index.size(i), "block_size": self.index.block_size[i]}
+
+    def close(self) -> None:
+        for s in self._streams:
+            if s is not None:
+                s.close()
+        self.matcher.close()
+
+
+async def _server_info(client: EngineClient, engine: str) -> dict | None:
+    """The engine's SGLang server description, which names its publishers; None where it has none (vLLM)."""
+    try:
+        return await client.server_info(engine)
+    except (UpstreamFailure, ValueError):
+        return None

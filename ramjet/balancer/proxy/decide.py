@@ -1,0 +1,44 @@
+"""The one decision service: where a request should go now, and everything that said so.
+
+The live path (forward.py) and the operator API's explain (edge/admin.py) both ask
+`Decider.decide`, so an explanation is the decision the request would really get:
+in precise mode the engines' reports (precise/mode.py: `match`) go into it exactly
+as they go into a forwarded request's. Deciding changes nothing: the router, the
+fleet and precise mode learn only from what happens to a request once it is sent
+(events.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ramjet.balancer.cluster.fleet import Fleet
+from ramjet.balancer.precise.mode import Match, PreciseMode
+from ramjet.routing.router import Decision, Router
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """How one request is routed: the router's decision and what it saw."""
+
+    decision: Decision
+    loads: list[float]         # each replica's load when it was decided
+    routable: list[bool]       # serving and not drained, then
+    match: Match | None        # precise mode: what each replica's engine reports it holds (None: approximate)
+    seconds: float             # routing time: tokenizing (precise mode), fingerprinting, scoring
+
+
+class Decider:
+    def __init__(self, router: Router, fleet: Fleet, precise: PreciseMode | None = None):
+        self.router, self.fleet, self.precise = router, fleet, precise
+
+    async def decide(self, route: str, body: dict) -> Choice:
+        """Rank every replica for this request; ApiError (400) on wrong-typed prompt fields."""
+        started = time.monotonic()
+        match = None
+        if self.precise is not None:  # tokenized off the loop; None: routed approximately
+            match = await self.precise.match(route, body)
+        loads, routable = self.fleet.loads(), self.fleet.routable()
+        decision = self.router.decide(route, body, loads, routable, held=match.shares if match else None)
+        return Choice(decision, loads, routable, match, time.monotonic() - started)

@@ -1,0 +1,2 @@
+"""One balancer: its parts built and wired, started and stopped (build.py), and its memory across restarts
+(memory.py)."""

@@ -1,0 +1,84 @@
+"""The fresh simulators behind one benchmark run, and the CPU their processes used.
+
+Shared by `ramjet bench compare` and `ramjet bench trace --placements`, so that every placement of either
+stands in front of the same engines, started with the same flags: `--dp-size 8`, the run's time scale, a
+rank's KV capacity and, with HiCache on, its host tier, plus any `--sim-arg`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from ramjet.bench import procs
+from ramjet.bench.placements import Placement
+
+DP_SIZE = 8
+DEFAULT_KV_TOKENS_PER_RANK = 193_000      # GLM-5.3, DP8 attention, FP8 KV on H200
+DEFAULT_HICACHE_TOKENS_PER_RANK = 670_000  # 32 GB host memory per rank at ~47.7 KB per token (ramjet fit)
+
+
+def sim_args(cfg, hicache: str) -> list[str]:
+    """`ramjet sim` flags of a run. `cfg` has time_scale, kv_tokens_per_rank, hicache_tokens_per_rank, model
+    and sim_args (CompareConfig, TraceCellsConfig)."""
+    hc = cfg.hicache_tokens_per_rank if hicache == "on" else 0
+    return ["--dp-size", str(DP_SIZE), "--time-scale", f"{cfg.time_scale:g}", "--kv-tokens-per-rank",
+            str(cfg.kv_tokens_per_rank), "--hicache-tokens-per-rank", str(hc), "--model-name", cfg.model,
+            *cfg.sim_args]
+
+
+def kv_capacity(cfg, hicache: str) -> int:
+    """A rank's KV capacity, device plus host tier: the hint every placement gets (unless --no-kv-hint)."""
+    return cfg.kv_tokens_per_rank + (cfg.hicache_tokens_per_rank if hicache == "on" else 0)
+
+
+def start_sims(stack: ExitStack, cfg, hicache: str, placement: Placement, engines: int, log_dir: Path,
+               name: str) -> tuple[list[procs.ManagedProcess], list[str]]:
+    """Start `engines` simulators (each stopped when `stack` closes); their processes and URLs. `placement`
+    must be planned for them (`for_engines`): engine e gets its `engine_args(e)`."""
+    sims, urls = [], []
+    for e in range(engines):
+        port = procs.free_port()
+        sims.append(stack.enter_context(procs.start_sim(
+            port, *sim_args(cfg, hicache), *placement.engine_args(e), log_path=log_dir / f"{name}-sim{e}.log",
+            timeout=60.0)))
+        urls.append(f"http://127.0.0.1:{port}")
+    return sims, urls
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rsplit(")", 1)[1].split()
+        return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_snapshot(started: list[procs.ManagedProcess]) -> dict[str, float | None]:
+    """CPU seconds so far of each started process, and of this one (`client`)."""
+    snap = {p.name.split(":")[0] + (f"#{i}" if p.name.startswith("sim") else ""): _cpu_seconds(p.proc.pid)
+            for i, p in enumerate(started) if p.proc is not None}
+    snap["client"] = time.process_time()
+    return snap
+
+
+def cpu_share(before: dict, after: dict, real_seconds: float) -> dict[str, float]:
+    """Share of one core each process used between two snapshots: near 1, engine time may have stretched."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if v is not None and b is not None and real_seconds > 0:
+            out[k] = round((v - b) / real_seconds, 3)
+    return out
+
+
+def exited(started: list[procs.ManagedProcess]) -> str | None:
+    """Why a run's figures cannot be trusted: a process it started exited during it (None: all still up)."""
+    for p in started:
+        if not p.alive():
+            return f"{p.name} exited during the run (code {p.proc.returncode}); see logs/"
+    return None
