@@ -16,11 +16,17 @@ ahead of PYTHONPATH), so another checkout is measured through PYTHONPATH; the he
     python benchmarks/proxy_overhead.py --baseline /tmp/orig      # this checkout and that one, same run
     python benchmarks/proxy_overhead.py --skip-router --workers 2  # RJ_WORKERS=2 (precise mode, as it requires)
     python benchmarks/proxy_overhead.py --skip-router --precise    # one worker, precise mode: the comparison
+    python benchmarks/proxy_overhead.py --skip-router --viewer --baseline /tmp/orig  # the dashboard's cost
 
 With --precise or --workers N > 1 the simulator publishes KV events (with a replay socket) and the balancer
 routes on them (RJ_KV_EVENTS=zmq, the simulator's tokenizer), since RJ_WORKERS > 1 requires it. Proxy CPU is
 then the supervisor's and every worker's, and each run also prints the per-worker load: requests per worker
 (told apart by their request id prefix) and CPU per worker process.
+
+With --viewer a second balancer of this checkout, `ramjet-viewed`, runs beside the first, and one viewer polls
+its dashboard (GET /admin/dashboard/state?after=T once a second on a keep-alive connection, as the page does)
+for the whole run: the `ramjet-viewed / ramjet` column is what one viewer adds per request, and at the end
+both balancers are left idle for --idle-seconds, polled and not, to give the CPU one viewer costs a second.
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from http.client import HTTPConnection
 from importlib import metadata
 from pathlib import Path
 
@@ -71,6 +79,30 @@ ROWS = [  # key, label, with a ramjet/router ratio
 
 class StartError(RuntimeError):
     """A child did not come up; the message carries its log tail."""
+
+
+class Viewer(threading.Thread):
+    """One dashboard viewer: GET /admin/dashboard/state?after=T every `interval` s on one keep-alive connection."""
+
+    def __init__(self, admin: str, interval: float = 1.0):
+        super().__init__(daemon=True)
+        self.host, self.port = admin.rsplit(":", 1)
+        self.interval, self.stopped = interval, threading.Event()
+        self.polls, self.errors, self.bytes = 0, 0, 0
+
+    def run(self) -> None:
+        after, conn = 0, HTTPConnection(self.host, int(self.port), timeout=5)
+        while not self.stopped.wait(self.interval):
+            try:
+                conn.request("GET", f"/admin/dashboard/state?after={after}")
+                body = conn.getresponse().read()
+                after = json.loads(body)["tick"]
+                self.polls, self.bytes = self.polls + 1, self.bytes + len(body)
+            except (OSError, ValueError, KeyError):
+                self.errors += 1
+                conn.close()
+                conn = HTTPConnection(self.host, int(self.port), timeout=5)
+        conn.close()
 
 
 def free_port() -> int:
@@ -204,14 +236,24 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
     sim.wait_ready(sim_url, 60)
     port = free_port()
     bal_env = {**env, "RJ_UPSTREAM": sim_url, "RJ_UPSTREAM_DP_SIZE": "8", "RJ_API_ADDR": f"{HOST}:{port}",
+               "RJ_ADMIN_ADDR": f"{HOST}:{free_port()}",  # never the default port: another balancer may hold it
                "RJ_HEALTH_INTERVAL_MS": "3600000", **extra}  # one probe round at start, none during the phases
     children.append(Child("ramjet", [py, "-m", "ramjet", "serve"], bal_env, workdir))
     children[-1].wait_ready(f"http://{HOST}:{port}", 60)
     wait_workers(f"http://{HOST}:{port}", args.workers, children[-1])
     targets = [("direct", sim_url, None), ("ramjet", f"http://{HOST}:{port}", children[-1])]
+    if args.viewer:  # the same balancer, with one dashboard viewer polling it throughout
+        port, admin = free_port(), f"{HOST}:{free_port()}"
+        children.append(Child("ramjet-viewed", [py, "-m", "ramjet", "serve"],
+                              {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "RJ_ADMIN_ADDR": admin}, workdir))
+        children[-1].wait_ready(f"http://{HOST}:{port}", 60)
+        children[-1].viewer = Viewer(admin)
+        children[-1].viewer.start()
+        targets.append(("ramjet-viewed", f"http://{HOST}:{port}", children[-1]))
     if args.baseline:  # the same balancer from another checkout, in the same run
         port = free_port()
-        base_env = {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "PYTHONPATH": args.baseline}
+        base_env = {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "RJ_ADMIN_ADDR": f"{HOST}:{free_port()}",
+                    "PYTHONPATH": args.baseline}
         children.append(Child("ramjet-before", [py, "-m", "ramjet", "serve"], base_env, workdir))
         children[-1].wait_ready(f"http://{HOST}:{port}", 60)
         targets.append(("ramjet-before", f"http://{HOST}:{port}", children[-1]))
@@ -377,7 +419,8 @@ def cell(values: list, empty: str = "-", unit: str = "") -> str:
 
 def print_table(title: str, runs: list[dict], args) -> None:
     names = list(runs[0])
-    pairs = [(a, b) for a, b in (("ramjet", "sglang-router"), ("ramjet", "ramjet-before")) if b in names]
+    pairs = [(a, b) for a, b in (("ramjet", "sglang-router"), ("ramjet", "ramjet-before"),
+                                 ("ramjet-viewed", "ramjet")) if a in names and b in names]
     cols = names + [f"{a} / {b.removeprefix('sglang-')}" for a, b in pairs]
     print(f"\n### {title}\n\n| | " + " | ".join(cols) + " |\n|---|" + "---:|" * len(cols))
     fmt = {"n": args.clients, "s": STREAM_CLIENTS, "t": STREAM_TOKENS}
@@ -413,6 +456,21 @@ async def measure(args, targets: list, sim: Child) -> list[dict]:
         if args.workers > 1:
             print_workers(res["ramjet"], args)
     return runs
+
+
+def idle_cost(targets: list, seconds: float) -> None:
+    """No traffic for `seconds`: each balancer's CPU a second, the viewed one polled throughout."""
+    balancers = [(name, child) for name, _, child in targets if name.startswith("ramjet") and child]
+    before = {name: child.cpu() for name, child in balancers}
+    polls = {name: child.viewer.polls for name, child in balancers if getattr(child, "viewer", None)}
+    time.sleep(seconds)
+    print(f"\nidle, no traffic, {seconds:.0f} s:")
+    for name, child in balancers:
+        ms = 1e3 * (child.cpu() - before[name]) / seconds
+        viewer = getattr(child, "viewer", None)
+        extra = (f"; {viewer.polls - polls[name]} polls, {viewer.polls} in all ({viewer.errors} failed, "
+                 f"{viewer.bytes / max(viewer.polls, 1) / 1024:.1f} KiB each)") if viewer else ""
+        print(f"- {name}: {ms:.2f} ms CPU per second{extra}", flush=True)
 
 
 def print_workers(res: dict, args) -> None:
@@ -462,6 +520,9 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="DIR", help="also run the balancer of the checkout at DIR (before/after)")
     ap.add_argument("--workers", type=int, default=1, help="RJ_WORKERS for the balancer (> 1 implies --precise)")
     ap.add_argument("--precise", action="store_true", help="KV events from the simulator, RJ_KV_EVENTS=zmq")
+    ap.add_argument("--viewer", action="store_true",
+                    help="also a balancer with one dashboard viewer polling it (ramjet-viewed)")
+    ap.add_argument("--idle-seconds", type=float, default=30.0, help="with --viewer: the idle measurement's length")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # so `finally` stops children
     workdir = Path(tempfile.mkdtemp(prefix="proxy_overhead."))
@@ -474,6 +535,8 @@ def main() -> int:
             runs = runner.run(measure(args, targets, sim))
         if len(runs) > 1:
             print_table(f"summary: median (min-max) over {len(runs)} runs", runs, args)
+        if args.viewer:
+            idle_cost(targets, args.idle_seconds)
         print(f"\nwall time: {time.monotonic() - started:.0f} s including start-up")
         return 0
     except StartError as e:

@@ -33,9 +33,9 @@ class RoundRobin(httpx.AsyncBaseTransport):
 
 SIM = {"time_scale": 100.0}  # slow enough that load builds up and new sessions spread over the ranks
 POLL_MS = 20  # the engine's load as often, relative to this fast clock, as every second on a real one
-# A harness of 6K tokens: where the sessions land decides how many ranks compute it once, which would
-# otherwise weigh on the cache ratio as much as whether each session stays on its rank.
-WORKLOAD = dict(sessions=12, turns=8, harness_bytes=24_000, seed=5, tool_s=0.3)
+# No shared harness: each session's own task decides where it starts, so the sessions spread over the
+# ranks by the routing rule itself (alike in every balancer), not by how fast load builds on a busy machine.
+WORKLOAD = dict(sessions=12, turns=8, harness_bytes=0, seed=5, tool_s=0.3)
 
 
 async def sessions(s, balancers: int):
@@ -69,4 +69,4 @@ async def test_two_balancers_in_precise_mode_send_every_turn_of_a_session_to_the
         assert report.failures == 0, report.describe()
     assert two.stickiness >= 0.95, two.describe()
     assert abs(two.cache_ratio - one.cache_ratio) <= 0.02, (one.describe(), two.describe())
-    assert len(two.upstreams) >= 2  # agreeing is not trivial: the sessions were spread over ranks
+    assert len(two.upstreams) >= 4  # agreeing is not trivial: the sessions were spread over ranks

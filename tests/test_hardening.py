@@ -323,7 +323,9 @@ async def _health_ok(client: httpx.AsyncClient, url: str) -> bool:
 # --- 9. one key cannot take every slot; failures cannot multiply the load --------------------
 
 async def test_one_key_cannot_hold_more_than_its_share_of_requests():
-    async with stack(sim={"time_scale": 1.0}, api_keys="agent-a,agent-b", api_key_max_in_flight="2") as s:
+    # without a queue (RJ_API_KEY_MAX_QUEUED=0) the cap answers 429 at once; the queue: tests/test_key_queue.py
+    async with stack(sim={"time_scale": 1.0}, api_keys="agent-a,agent-b", api_key_max_in_flight="2",
+                     api_key_max_queued="0") as s:
         def post(key: str, n: int):
             return s.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                                  json=chat_body("x", max_tokens=400, min_tokens=400))

@@ -102,8 +102,20 @@ class Metrics:
             "ramjet_failover_budget_exhausted", "Failovers not attempted: RJ_FAILOVER_BUDGET_PERCENT of the requests "
             "in flight were already failing over", registry=r)
         self.key_limited = Counter("ramjet_client_key_limited",
-                                   "Requests refused (429) because their key was at RJ_API_KEY_MAX_IN_FLIGHT",
-                                   registry=r)
+                                   "Requests refused (429) because their key was at RJ_API_KEY_MAX_IN_FLIGHT, by "
+                                   "reason: queue_full (RJ_API_KEY_MAX_QUEUED waiting), queue_timeout (waited "
+                                   "RJ_API_KEY_MAX_WAIT_MS), in_flight (no queue: RJ_API_KEY_MAX_QUEUED=0)",
+                                   ("reason",), registry=r)
+        self.key_queued = Gauge("ramjet_client_key_queued", "Requests waiting for one of their key's in-flight slots",
+                                registry=r, multiprocess_mode="livesum")
+        self.key_waited = Histogram("ramjet_client_key_queue_wait_seconds",
+                                    "Time a request waited in its key's queue, by how the wait ended: admitted, "
+                                    "timeout (429), left (the client went away)", ("outcome",),
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.session_hints = Counter("ramjet_session_hints", "Requests that carried a session key, by what it did: "
+                                     "home (kept on its conversation's replica), hint (a known conversation ranked "
+                                     "by the policy), unknown (a key not seen answered: placed as without one)",
+                                     ("use",), registry=r)
         self.fences_withheld = Counter("ramjet_upstream_fences_withheld",
                                        "Fences on request errors withheld: RJ_FENCE_MAX_SHARE of the fleet already "
                                        "fenced that way", registry=r)

@@ -52,7 +52,16 @@ class Turn:
     est_prompt_tokens: int
     long_output: bool
 
-    def body(self, model: str, stream: bool = True) -> dict:
+    def session_key(self, salt: str) -> str:
+        """The id a coding agent sends as `prompt_cache_key`: its conversation's, as Codex sends its conversation id.
+
+        A main conversation keeps its id across compactions (the session goes on; its prompt is rewritten);
+        a sub-agent is a conversation of its own, with an id of its own. The salt keeps runs apart.
+        """
+        return f"conv-{salt}-{self.conv}"
+
+    def body(self, model: str, stream: bool = True, session_key: str | None = None) -> dict:
+        """The request body; `session_key`: sent as OpenAI's `prompt_cache_key` (the conversation's id)."""
         b = {
             "model": model,
             "messages": self.messages,
@@ -64,6 +73,8 @@ class Turn:
         }
         if stream:
             b["stream_options"] = {"include_usage": True}
+        if session_key is not None:
+            b["prompt_cache_key"] = session_key
         return b
 
 

@@ -15,6 +15,9 @@ Placements (placements.py, peers.py; docs/benchmarks.md has how each is started 
   peer its own flags (`smg:--balance-abs-threshold=4:--cache-threshold=0.8`); a value `a|b` makes a
   grid, one placement per combination, and --sweep PEER adds the peer's documented grid, so each
   peer's best setting per cell can be found (summary.md names the best of each kind).
+  Any placement may carry client items, `+NAME[=VALUE]`: `relative:+session-keys` sends each
+  request with `prompt_cache_key` = its conversation's id, so `relative,relative:+session-keys`
+  compares our balancer without and with session hints in one run.
 
 With --repeat N every cell runs N times, the placements of one repeat back to back (interleaved, so a
 slow spell of the machine hits them alike), each run with a seed of its own; summary.md then adds each
@@ -158,7 +161,7 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
                                seed=row["seed"], salt=salt, request_timeout=cfg.request_timeout,
                                workload=cfg.workload, stats_urls=sim_urls,
                                requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
-                               label=f"[{index + 1}/{total} {name}] ")
+                               label=f"[{index + 1}/{total} {name}] ", session_keys=placement.session_keys)
             cpu0, wall0 = cpu_snapshot(started), time.monotonic()
             result = asyncio.run(run_swarm(scfg))
             cpu = cpu_share(cpu0, cpu_snapshot(started), time.monotonic() - wall0)

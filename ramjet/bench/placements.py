@@ -11,8 +11,11 @@ A placement is written `NAME[:ITEM...]`:
                        other request (the Rust rule has no new-session placement)
   smg, sglang-router, vllm-router   a peer router (peers.py)
 Items are RJ_NAME=VALUE settings after a ramjet placement (they win over the common ones), and the peer's own
---flag[=value] arguments after a peer: `smg:--balance-abs-threshold=4:--cache-threshold=0.8`. A value written
-`a|b|c` makes a grid, which `expand_placements` turns into one placement per combination.
+--flag[=value] arguments after a peer: `smg:--balance-abs-threshold=4:--cache-threshold=0.8`. Client items,
+`+NAME[=VALUE]` after any placement, change what the load sends, not what routes it (CLIENT_ITEMS):
+`relative:+session-keys` sends every request with OpenAI's `prompt_cache_key` set to its conversation's id
+(`+session-keys=off`, the default, sends none). A value written `a|b|c` makes a grid, which
+`expand_placements` turns into one placement per combination (`relative:+session-keys=on|off`).
 
 The seam `ramjet bench compare` and the trace replay share: start a placement in front of running simulators,
 get its client URL(s), its processes and, after the load, its figures; everything it started is stopped when
@@ -52,6 +55,8 @@ RUST_BUNDLE = {"RJ_ROUTE_AFFINITY_BASIS": "relative", "RJ_ROUTE_ALPHA": "4", "RJ
                "RJ_ROUTE_PHASE_AWARE_LOAD": "true", "RJ_ROUTE_DECODE_LOAD_UNIT_TOKENS": "256",
                "RJ_ROUTE_DECODE_MAX_LOAD_UNITS": "4", "RJ_ROUTE_NEW_SESSIONS": "affinity"}
 _SETTING = re.compile(r"RJ_[A-Z0-9_]+")
+# client items (`+NAME[=VALUE]`): what the load sends; a bare name takes the first value
+CLIENT_ITEMS = {"session-keys": ("on", "off")}  # on: prompt_cache_key = the conversation's id (Turn.session_key)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,12 @@ class Placement:
     settings: dict[str, str] = field(default_factory=dict)   # RJ_* of a ramjet kind
     peer_args: tuple[str, ...] = ()            # --flag[=value] of a peer kind
     events: tuple[precise.EventPorts, ...] = ()  # precise: each engine's KV event ports (for_engines)
+    client: dict[str, str] = field(default_factory=dict)     # `+NAME=VALUE` client items (CLIENT_ITEMS)
+
+    @property
+    def session_keys(self) -> bool:
+        """Does the load send each conversation's id as `prompt_cache_key` (`+session-keys`)?"""
+        return self.client.get("session-keys") == "on"
 
     def for_engines(self, engines: int, dp_size: int = 8) -> Placement:
         """This placement with what its `engines` simulators need planned (precise: free KV event ports)."""
@@ -201,6 +212,8 @@ def parse_placement(text: str) -> Placement:
     kind = KINDS.get(name)
     if kind is None:
         raise ValueError(f"unknown placement {name!r} in {text!r}; choose from {', '.join(KINDS)}")
+    client = _client_items(text, [i for i in items if i.startswith("+")])
+    items = [i for i in items if not i.startswith("+")]
     if items and not kind.items:
         raise ValueError(f"placement {text!r}: {name} takes no settings")
     if kind.items == "peer":
@@ -208,7 +221,7 @@ def parse_placement(text: str) -> Placement:
             peers.check_args(peers.PEERS[name], items)
         except ValueError as e:
             raise ValueError(f"placement {text!r}: {e}") from None
-        return Placement(text, name, peer_args=tuple(items))
+        return Placement(text, name, peer_args=tuple(items), client=client)
     settings = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -216,7 +229,23 @@ def parse_placement(text: str) -> Placement:
             raise ValueError(f"placement {text!r}: settings are RJ_NAME=VALUE after a ramjet placement's name, "
                              f"not {item!r}")
         settings[key] = value
-    return Placement(text, name, settings)
+    return Placement(text, name, settings, client=client)
+
+
+def _client_items(text: str, items: list[str]) -> dict[str, str]:
+    """`+NAME[=VALUE]` items -> {NAME: VALUE}; ValueError naming the known ones for anything else."""
+    out = {}
+    known = "; ".join(f"+{k}[={'|'.join(v)}]" for k, v in CLIENT_ITEMS.items())
+    for item in items:
+        key, sep, value = item[1:].partition("=")
+        if key not in CLIENT_ITEMS:
+            raise ValueError(f"placement {text!r}: unknown client item {item!r}; known: {known}")
+        value = value if sep else CLIENT_ITEMS[key][0]
+        if value not in CLIENT_ITEMS[key] or key in out:
+            raise ValueError(f"placement {text!r}: {item!r}: expected +{key} once, with one of "
+                             f"{', '.join(CLIENT_ITEMS[key])}")
+        out[key] = value
+    return out
 
 
 def parse_balancer_env(items: list[str]) -> dict[str, str]:

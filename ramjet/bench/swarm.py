@@ -53,6 +53,7 @@ class SwarmConfig:
     progress: bool = True
     label: str = ""                     # prefix of the progress line
     floor_probes: int = 5               # tiny requests before the run: the path's own latency (0 = skip)
+    session_keys: bool = False          # requests carry prompt_cache_key: their conversation's id (Turn.session_key)
 
     def __post_init__(self):
         if not self.urls:
@@ -151,7 +152,7 @@ class Swarm:
         idx = self._rr % n_urls
         self._rr += 1
         url = cfg.urls[idx] + cfg.path
-        body = orjson.dumps(turn.body(cfg.model))
+        body = orjson.dumps(turn.body(cfg.model, session_key=turn.session_key(cfg.salt) if cfg.session_keys else None))
         rec = RequestRecord(turn.dev, turn.task, turn.conv, turn.kind, turn.turn, self.now(),
                             est_prompt_tokens=turn.est_prompt_tokens, max_tokens=turn.max_tokens)
         t_start = time.monotonic()

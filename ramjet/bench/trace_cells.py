@@ -66,7 +66,9 @@ class TraceCellsConfig:
     def __post_init__(self):
         self.placements = expand_placements(list(self.placements))
         for p in self.placements:
-            parse_placement(p)  # raises ValueError naming what is wrong
+            if parse_placement(p).session_keys:  # parsing raises ValueError naming what is wrong
+                raise ValueError(f"placement {p!r}: a trace replay cannot send session keys: Mooncake traces carry "
+                                 "no conversation ids, only block hash_ids (docs/benchmarks.md)")
         if not self.placements:
             raise ValueError("need at least one placement")
         for h in self.hicache:

@@ -100,6 +100,7 @@ class Derived:
     rank_probe_timeout_s = _seconds("upstream_rank_probe_timeout_ms")
     liveness_window_s = _seconds("liveness_window_ms")
     kv_events_silence_s = _seconds("kv_events_silence_ms")
+    api_key_max_wait_s = _seconds("api_key_max_wait_ms")
     state_interval_s = _seconds("state_interval_ms")
     shutdown_drain_s = _seconds("shutdown_drain_ms")
     shutdown_grace_s = _seconds("shutdown_grace_ms")

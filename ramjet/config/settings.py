@@ -58,6 +58,9 @@ class Settings(RustCompat, Derived):
     route_load_unit_bytes: PositiveInt = 32768
     route_max_load_units: PositiveInt = 8
     route_max_attempts: PositiveInt = 3
+    # session hints: the clients' own conversation keys (routing/hints.py, routing/homes.py)
+    session_hints: bool = True
+    session_header: str | None = None  # a request header naming the conversation, e.g. x-session-id; None: off
 
     # upstream connections
     upstream_connect_timeout_ms: PositiveInt = 2000
@@ -77,6 +80,8 @@ class Settings(RustCompat, Derived):
     client_body_timeout_ms: PositiveInt = 60_000
     client_idle_timeout_ms: PositiveInt = 60_000
     api_key_max_in_flight: NonNegativeInt = 128  # per key (per client address without keys); 0: no cap
+    api_key_max_queued: NonNegativeInt = 1024    # beyond the cap, waiting in the key's own queue; 0: 429 at once
+    api_key_max_wait_ms: PositiveInt = 300_000   # longest wait in that queue before a 429
     max_json_depth: int = Field(64, ge=2, le=200)
     passthrough_routes: list[str] = ["/v1/models", "/v1/models/{id}"]
     pass_response_headers: list[str] = []
@@ -236,6 +241,13 @@ class Settings(RustCompat, Derived):
         if bad:
             raise ValueError(f"{', '.join(bad)}: expected header names (x-ramjet-* are the balancer's own)")
         return [h.lower() for h in v]
+
+    @field_validator("session_header")
+    @classmethod
+    def _v_session_header(cls, v: str | None) -> str | None:
+        if v is not None and (not re.fullmatch(r"[A-Za-z0-9-]+", v) or v.lower().startswith("x-ramjet-")):
+            raise ValueError("expected one header name such as x-session-id (x-ramjet-* are the balancer's own)")
+        return v.lower() if v is not None else v
 
     @field_validator("kv_events", mode="before")
     @classmethod

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", required=True,
                         help="policies to replay, with optional settings: relative,load,relative:alpha=2,cap=16 "
                              "(keys: alpha, cap, load_unit_bytes, max_load_units, balance, new_sessions, "
-                             "index_capacity; they override the recording's settings)")
+                             "index_capacity, hints=on|off; they override the recording's settings)")
     parser.add_argument("--kv-tokens-per-rank", type=count, default=defaults.kv_tokens_per_rank,
                         help=f"KV cache tokens per replica of the cache model ({defaults.kv_tokens_per_rank})")
     parser.add_argument("--prefill-tokens-per-s", type=number, default=defaults.prefill_tokens_per_s,

@@ -1,7 +1,8 @@
 """Re-deciding a recording under one placement, request by request, as the live balancer would have.
 
 A fresh Router with the placement's settings ranks every request in arrival order
-(`Router.decide_fingerprint`), and the request goes to the first replica of its ranking.
+(`Router.decide_fingerprint`, with the journal's hashed session key), and the request goes to
+the first replica of its ranking.
 The live router learns a prefix only when the request's first byte arrives
 (`Router.answered`, on a 2xx), and later arrivals are ranked against that, so first bytes
 and ends are replayed as timed events between arrivals, not at decision time.
@@ -28,7 +29,8 @@ def make_router(recording: Recording, placement: Placement, index_capacities: li
     """The router of one placement: the recording's settings with the placement's overrides."""
     return Router(placement.policy, placement.params(recording.params), placement.index_capacities(index_capacities),
                   max_prefix_bytes=0,  # unused: fingerprints come already cut at the recording's cap
-                  balance_new_sessions=placement.new_sessions(recording.new_sessions) == "balance")
+                  balance_new_sessions=placement.new_sessions(recording.new_sessions) == "balance",
+                  session_hints=placement.session_hints(recording.session_hints))
 
 
 def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
@@ -42,7 +44,7 @@ def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
         while events and events[0][0] <= r.ts:
             _apply(heapq.heappop(events), held, router)
         decision = router.decide_fingerprint(r.fingerprint, list(held) if loads == "replayed" else r.loads,
-                                             r.serving)
+                                             r.serving, hint=r.hint)  # ignored unless the router uses hints
         choice = decision.ranking.order[0]
         reservation = [choice, decision.units(choice, router.params)]
         held[choice] += reservation[1]

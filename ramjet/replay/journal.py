@@ -40,6 +40,7 @@ class Request:
     prompt_tokens: int | None    # engine-reported usage
     cached_tokens: int | None
     precise: bool                # some replica was routed on its engine's KV events
+    hint: int = 0                # the client's session key, hashed (routing/hints.py); 0: none
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Recording:
     policy: str                       # the recording's policy
     params: Params
     new_sessions: str                 # affinity | balance
+    session_hints: bool               # the recording used the clients' session keys (routing/hints.py)
     index_capacities: list[int] | None  # None: the journal has no header
     requests: list[Request]           # in arrival order
     notes: list[str]                  # what the replay cannot reproduce, for the report
@@ -83,11 +85,13 @@ def load_journal(path: str | Path) -> Recording:
     notes = lines.notes()
     if header:
         return Recording(name, replicas, header["policy"], Params(**header["params"]), header["new_sessions"],
-                         list(header["index_capacities"]), requests, notes)
+                         bool(header.get("session_hints")), list(header["index_capacities"]), requests, notes)
     policies = lines.policies
     balance = policies.pop("new_sessions", 0) > 0
     policy = policies.most_common(1)[0][0] if policies else POLICY_NAMES[0]  # all new sessions: the default basis
-    return Recording(name, replicas, policy, Params(), "balance" if balance else "affinity", None, requests, notes)
+    hints = any(r.hint for r in requests)  # keys are journaled only when hints are on
+    return Recording(name, replicas, policy, Params(), "balance" if balance else "affinity", hints, None, requests,
+                     notes)
 
 
 class _Lines:
@@ -148,7 +152,8 @@ class _Lines:
 
 
 def _settings(header: dict) -> tuple:
-    return tuple(header.get(k) for k in ("policy", "params", "replicas", "index_capacities", "new_sessions"))
+    return tuple(header.get(k) for k in ("policy", "params", "replicas", "index_capacities", "new_sessions",
+                                         "session_hints"))
 
 
 def _check_header(obj: dict, where: str) -> dict:
@@ -171,6 +176,8 @@ def _check_header(obj: dict, where: str) -> dict:
         problems.append("index_capacities must list one positive integer per replica")
     if obj.get("new_sessions") not in ("affinity", "balance"):
         problems.append("new_sessions must be affinity or balance")
+    if type(obj.get("session_hints", False)) is not bool:  # absent: a journal from before session hints
+        problems.append("session_hints must be true or false")
     if problems:
         raise JournalError(f"{where}: bad header: {'; '.join(problems)}")
     return obj
@@ -194,7 +201,7 @@ def _request(obj: dict, where: str) -> Request:
                        serving=[bool(x) for x in obj["serving"]], answered_by=answered[-1] if answered else None,
                        ttfb_s=None if ttfb is None else ttfb / 1000, duration_s=float(obj["duration_ms"]) / 1000,
                        prompt_tokens=usage.get("prompt_tokens"), cached_tokens=usage.get("cached_tokens"),
-                       precise=any(obj.get("precise") or ()))
+                       precise=any(obj.get("precise") or ()), hint=int(obj.get("hint") or "0", 16))
     except KeyError as e:
         raise JournalError(f"{where}: the record has no {e.args[0]!r}") from None
     except (TypeError, ValueError, AttributeError) as e:

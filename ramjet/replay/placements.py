@@ -44,6 +44,12 @@ def _new_sessions(text: str) -> str:
     return text
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise ValueError("must be on or off")
+    return text == "on"
+
+
 # key -> (parser, Params field or None for a router setting, what it is)
 KEYS = {
     "alpha": (_non_negative, "alpha", "points per load unit (RJ_ROUTE_ALPHA)"),
@@ -53,6 +59,7 @@ KEYS = {
     "balance": (_non_negative, "balance", "points per unit of demand share, new sessions only"),
     "new_sessions": (_new_sessions, None, "affinity or balance (RJ_ROUTE_NEW_SESSIONS)"),
     "index_capacity": (_positive_int, None, "blocks the index remembers per replica (RJ_ROUTE_INDEX_CAPACITY)"),
+    "hints": (_on_off, None, "on or off: use the journal's hashed session keys (RJ_SESSION_HINTS)"),
 }
 
 
@@ -72,6 +79,9 @@ class Placement:
 
     def new_sessions(self, base: str) -> str:
         return dict(self.settings).get("new_sessions", base)
+
+    def session_hints(self, base: bool) -> bool:
+        return dict(self.settings).get("hints", base)
 
     def index_capacities(self, base: list[int]) -> list[int]:
         capacity = dict(self.settings).get("index_capacity")

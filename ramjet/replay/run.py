@@ -67,6 +67,7 @@ def replay(recording: Recording, placements: Sequence[Placement], model: Model, 
 def _is_recording(recording: Recording, p: Placement, capacities: list[int]) -> bool:
     return (p.policy == recording.policy and p.params(recording.params) == recording.params
             and p.new_sessions(recording.new_sessions) == recording.new_sessions
+            and p.session_hints(recording.session_hints) == recording.session_hints
             and p.index_capacities(capacities) == capacities)
 
 
@@ -74,5 +75,6 @@ def _describe(recording: Recording, capacities: list[int]) -> str:
     p = recording.params
     index = f"{capacities[0]} blocks" if len(set(capacities)) == 1 else f"{capacities} blocks"
     return (f"{recording.policy}: alpha={p.alpha:g}, cap={p.cap_blocks}, load_unit_bytes={p.load_unit_bytes}, "
-            f"max_load_units={p.max_load_units}, new_sessions={recording.new_sessions}, index {index} per replica, "
+            f"max_load_units={p.max_load_units}, new_sessions={recording.new_sessions}, "
+            f"hints={'on' if recording.session_hints else 'off'}, index {index} per replica, "
             f"{recording.replicas} replicas")

@@ -65,6 +65,7 @@ class Ranking:
     scores: list[float]     # per replica
     credits: list[float]    # per replica
     reason: str             # why the first one won: affinity | load | tiebreak | only_choice | fail_open
+                            # | session (kept home by its session key: routing/homes.py)
 
 
 def rank(policy: Policy, c: Candidates, tiebreak: Sequence[int]) -> Ranking:

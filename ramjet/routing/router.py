@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from ramjet.routing.demand import Demand
 from ramjet.routing.fingerprint import Fingerprint, fingerprint
+from ramjet.routing.hints import session_hint
+from ramjet.routing.homes import Homes, stays_home
 from ramjet.routing.index import PrefixIndex
 from ramjet.routing.policies import NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank, rendezvous
@@ -36,6 +38,17 @@ class Decision:
     new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
     policy: str              # the policy that ranked it
     continued: int = 0       # leading blocks an earlier answered request ended with (0: it continues none)
+    hint: int = 0            # the hashed session key (routing/hints.py); 0: none, or session hints are off
+    home: int | None = None  # the replica that last answered that key; None: the key is unknown (or no key)
+    pinned: bool = False     # sent home because of the key (routing/homes.py), reason `session`
+
+    @property
+    def hint_use(self) -> str | None:
+        """What the key did: `home` (pinned), `hint` (known: continuing, ranked by the policy) or `unknown`
+        (placed as without a key); None: no key."""
+        if not self.hint:
+            return None
+        return "home" if self.pinned else "hint" if self.home is not None else "unknown"
 
     def units(self, replica: int, params: Params) -> float:
         """Load units this request reserves on `replica`."""
@@ -44,7 +57,9 @@ class Decision:
 
 class Router:
     def __init__(self, policy: str, params: Params, index_capacities: list[int], max_prefix_bytes: int,
-                 balance_new_sessions: bool = False):
+                 balance_new_sessions: bool = False, session_hints: bool = False, hint_salt: bytes = b""):
+        """`session_hints`: use the clients' conversation keys (not with a load-only policy); `hint_salt`
+        keys their hash (the balancer draws one at start; the default is for tests and replays)."""
         self.params = params
         self.policy: Policy = make_policy(policy, params)
         self.max_prefix_bytes = max_prefix_bytes
@@ -54,21 +69,26 @@ class Router:
         self.demand = Demand(len(index_capacities))
         self.conversations = SessionKeys()  # answered chains' ends: which requests continue a conversation
         self.pressure = Pressure()
+        self.session_hints = session_hints and self.policy.reads_overlap
+        self.hint_salt = hint_salt
+        self.homes = Homes()  # keyed conversations' homes (session hints)
 
     def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
-               held: Sequence[float | None] | None = None) -> Decision:
+               held: Sequence[float | None] | None = None, session_header: bytes | None = None) -> Decision:
         """Rank every replica for this request; raises ApiError (400) on wrong-typed prompt fields.
 
         `held[i]`, where given and not None, is the share of the prompt replica i's engine reports it
         holds (precise mode, from the KV events); it replaces the approximate index's guess for that
         replica, in the same units, so the policies do not care where an overlap came from.
+        `session_header` is the value of the RJ_SESSION_HEADER header, if the request has one.
         """
         fp = fingerprint(route, body, self.params.chunk_bytes, self.max_prefix_bytes)
-        return self.decide_fingerprint(fp, loads, serving, held)
+        hint = session_hint(route, body, session_header, self.hint_salt) if self.session_hints else 0
+        return self.decide_fingerprint(fp, loads, serving, held, hint)
 
     def decide_fingerprint(self, fp: Fingerprint, loads: Sequence[float], serving: Sequence[bool],
-                           held: Sequence[float | None] | None = None) -> Decision:
-        """`decide` for a request already fingerprinted (the offline replay has fingerprints, not bodies)."""
+                           held: Sequence[float | None] | None = None, hint: int = 0) -> Decision:
+        """`decide` for a request already fingerprinted (the offline replay has fingerprints and hashed keys)."""
         chunk = self.params.chunk_bytes
         n = len(self.index)
         overlaps = self.index.overlaps(fp.blocks) if self.policy.reads_overlap else [0] * n
@@ -76,19 +96,29 @@ class Router:
         if held is not None and self.policy.reads_overlap:
             covered = [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
         continued = self.conversations.continued_depth(fp.blocks) if self.balance_new_sessions else 0
-        new_session = self.balance_new_sessions and self._new_session(fp.blocks, overlaps, continued)
+        hint = hint if self.session_hints else 0
+        known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
+        new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued)
         policy = self.new_sessions if new_session else self.policy
         candidates = Candidates([c / chunk for c in covered], loads, serving,
                                 fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
         ranking = rank(policy, candidates, rendezvous(fp.blocks[-1] if fp.blocks else 0, n))
-        return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued)
+        if known is None:
+            return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint)
+        home = known.replica
+        pinned = stays_home(known, fp.blocks, candidates, self.params)
+        if pinned:
+            ranking = Ranking([home, *(i for i in ranking.order if i != home)], ranking.scores, ranking.credits,
+                              "session")
+        return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint, home, pinned)
 
     def _new_session(self, blocks: list[int], overlaps: list[int], continued: int) -> bool:
         """Does this request start a conversation, and may it be placed for balance?
 
         It continues one when its deepest match ends where an answered request ended (the index's
         end marks) or when it holds an earlier request's whole chain (`continued`: the conversation
-        memory, which eviction does not touch). While the caches evict live conversations
+        memory, which eviction does not touch); a request whose session key was seen answered is never
+        asked (decide_fingerprint: the key says it continues). While the caches evict live conversations
         (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
         (the policy's own placement), so that spreading them does not cost the room the live ones need.
         """
@@ -107,11 +137,14 @@ class Router:
                 self.pressure.observe(max(decision.overlaps, default=0) < decision.continued)
             self.demand.record(replica, decision.fingerprint.prompt_bytes)
             self.conversations.key(decision.fingerprint.blocks)
+        if decision.hint:
+            self.homes.answered(decision.hint, replica, decision.fingerprint.blocks)
 
     def forget(self, replica: int) -> None:
         """The replica's cache is gone (its engine restarted): it holds nothing, hosts no sessions."""
         self.index.clear(replica)
         self.demand.clear(replica)
+        self.homes.forget(replica)
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]

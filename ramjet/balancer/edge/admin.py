@@ -1,4 +1,4 @@
-"""The operator API (RJ_ADMIN_ADDR, loopback by default; RJ_ADMIN_KEYS): replicas, drain, explain.
+"""The operator API (RJ_ADMIN_ADDR, loopback by default; RJ_ADMIN_KEYS): replicas, drain, explain, the dashboard.
 
 A FastAPI app, separate from the client-facing listener: it is off the hot
 path, and its OpenAPI page (/docs) documents it. Drain takes a replica out of
@@ -7,16 +7,19 @@ without forwarding it: it asks the same decision service as a forwarded
 request (proxy/decide.py), engine reports included in precise mode, and
 changes nothing. With several worker processes (RJ_WORKERS) worker 0 serves
 it, and a drain is answered once every worker applied it (server/shared.py).
+The dashboard (GET /dashboard, edge/dashboard.py) is a page that polls this API.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+import orjson
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from ramjet.balancer.edge import dashboard
 from ramjet.balancer.edge.keys import matching_key
 from ramjet.balancer.edge.routes import GENERATION_ROUTES
 from ramjet.balancer.proxy.decide import Choice
@@ -75,12 +78,30 @@ def build_admin_app(balancer: Balancer, publish_drains: Publish | None = None) -
         try:
             body = parse_object(await request.body(), balancer.settings.max_json_depth)
             strip_max_tokens(route, body, b"", balancer.settings.max_tokens_strip)  # as a forwarded request is
-            choice = await balancer.decider.decide(route, body)
+            choice = await balancer.decider.decide(route, body, request.headers.raw)  # RJ_SESSION_HEADER too
         except ApiError as e:
             return JSONResponse(status_code=e.status, content={"error": {"message": e.message, "type": e.type}})
         model = balancer.settings.load_model  # the Rust decode load model reserves a floor (routing/decode_load.py)
         load = model.request(route, body) if model else None
         return JSONResponse({"path": path, **explained(balancer, choice, load)})
+
+    # The dashboard: its page and files need no key (they hold no data, and a browser cannot send a bearer key
+    # when it opens a page); what the page fetches does (edge/dashboard.py).
+    app.add_route("/dashboard", dashboard.page, include_in_schema=False)
+    app.add_route("/dashboard/{name}", dashboard.asset, include_in_schema=False)
+
+    @app.get("/admin/dashboard/state", summary="The dashboard's poll: every replica now, newer samples and requests")
+    def dashboard_state(after: int = Query(0, ge=0, description="the `tick` of the previous answer (0: all)")
+                        ) -> Response:
+        return Response(orjson.dumps(dashboard.state(balancer, after)), media_type="application/json")
+
+    @app.get("/admin/dashboard/requests/{request_id}", summary="How a recent request was decided, as explain shows it")
+    def dashboard_request(request_id: str = Path(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")) -> dict:
+        o = balancer.samples.find(request_id)
+        if o is None or o.choice is None:
+            raise HTTPException(404, f"request {request_id} is not among the last {balancer.samples.recent.maxlen} "
+                                     "requests, or was not routed")
+        return {**dashboard.request_row(balancer, o), **explained(balancer, o.choice)}
 
     return app
 
@@ -97,6 +118,8 @@ def explained(balancer: Balancer, c: Choice, load: RequestLoad | None = None) ->
              "reserves_units": d.units(i, params) if load is None else load.reserve(d.units(i, params))}
             for i, r in enumerate(replicas)]
     return {"policy": d.policy, "policy_rule": policies.describe(d.policy), "alpha": params.alpha,
-            "new_session": d.new_session, "prompt_bytes": d.fingerprint.prompt_bytes,
+            "new_session": d.new_session, "session_hint": d.hint_use,  # the key's use, never the key
+            "session_home": None if d.home is None else replicas[d.home].ordinal,
+            "prompt_bytes": d.fingerprint.prompt_bytes,
             "blocks": len(d.fingerprint.blocks), "pick": replicas[ranking.order[0]].ordinal,
             "reason": ranking.reason, "order": [replicas[i].ordinal for i in ranking.order], "replicas": rows}

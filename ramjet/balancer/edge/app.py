@@ -1,4 +1,4 @@
-"""The balancer's client-facing ASGI app: routes, API keys, per-key caps, body limits, disconnect watching.
+"""The balancer's client-facing ASGI app: routes, API keys, per-key caps and queues, body limits, disconnects.
 
 Written against bare ASGI rather than a framework so the hot path reads the
 body once and stops the moment the client goes away while it waits for an
@@ -8,7 +8,7 @@ whole request (docs/benchmarks.md). Probes are answered before anything else:
 /livez (the process answers), /readyz (it should be sent requests: not
 draining, some replica serving) and /health (the full report). The
 operator API, where a framework serves better, is a separate app (admin.py).
-Which paths are served or refused is edge/routes.py.
+Which paths are served or refused is edge/routes.py; the per-key cap and its queue, key_slots.py.
 Limits on the connection itself (headers, timeouts, connections) are enforced
 below the app, in protocol.py.
 """
@@ -22,6 +22,7 @@ import os
 
 import orjson
 
+from ramjet.balancer.edge.key_slots import KeySlots, Refused
 from ramjet.balancer.edge.keys import matching_key
 from ramjet.balancer.edge.routes import GENERATION_ROUTES, PROBES, odd_path, route_matcher
 from ramjet.balancer.proxy.relay import ResponseAborted, send_json
@@ -39,10 +40,11 @@ class BalancerApp:
         self.balancer = balancer
         self.forwarder = balancer.forwarder
         self.max_body_bytes = s.max_body_bytes
-        self.key_cap = s.api_key_max_in_flight
         self.passthrough = route_matcher(s.passthrough_routes)
         self._keys = [k.encode() for k in s.api_keys]
-        self._in_flight: dict[bytes | str, int] = {}  # per key (or client address without keys)
+        m = balancer.metrics
+        self.slots = KeySlots(s.api_key_max_in_flight, s.api_key_max_queued, s.api_key_max_wait_s, m.key_queued,
+                              lambda outcome, seconds: m.key_waited.labels(outcome).observe(seconds))  # per key
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()  # tells apart the ids of several balancer processes
 
@@ -106,22 +108,30 @@ class BalancerApp:
                                         send, request_id)
             return
         holder = key if self._keys else _client(scope)
-        if not self._admit(holder):
-            self.balancer.metrics.key_limited.inc()
-            await self.forwarder.reject(route, ApiError(429, f"this key already has {self.key_cap} requests in "
-                                                        "flight (RJ_API_KEY_MAX_IN_FLIGHT)", "rate_limit_error",
-                                                        code="too_many_in_flight"), send, request_id, _RETRY_AFTER)
+        try:
+            ticket = self.slots.enter(holder)  # a slot now, or a place in the key's queue (key_slots.py)
+        except Refused as e:
+            await self._over_cap(route, e.reason, send, request_id)
             return
         try:
             try:
-                raw = await self._read_body(headers, receive)
+                raw = await self._read_body(headers, receive)  # read while it waits: no body timeout in the queue
             except ApiError as e:
                 await self.forwarder.reject(route, e, send, request_id)
                 return
-            if raw is not None:  # None: the client left while sending
-                await self._guarded(lambda out: work(raw, out), send, request_id)
+            if raw is None:  # the client left while sending
+                return
+
+            async def admitted_then_work(out) -> None:
+                try:
+                    await self.slots.admitted(ticket)
+                except Refused as e:
+                    await self._over_cap(route, e.reason, out, request_id)
+                    return
+                await work(raw, out)
+            await self._guarded(admitted_then_work, send, request_id)
         finally:
-            self._release(holder)
+            self.slots.leave(ticket)
 
     async def probe(self, path: str, send) -> None:
         """/health (the full report), /readyz (its verdict: 503 when draining or no replica serves), /livez.
@@ -147,19 +157,20 @@ class BalancerApp:
                 given = v.strip()
         return matching_key(given, self._keys)
 
-    def _admit(self, holder: bytes | str) -> bool:
-        n = self._in_flight.get(holder, 0)
-        if self.key_cap and n >= self.key_cap:
-            return False
-        self._in_flight[holder] = n + 1
-        return True
-
-    def _release(self, holder: bytes | str) -> None:
-        n = self._in_flight[holder] - 1
-        if n:
-            self._in_flight[holder] = n
-        else:
-            del self._in_flight[holder]
+    async def _over_cap(self, route: str, reason: str, send, request_id: str) -> None:
+        """429 with Retry-After for a request its key's cap and queue could not take (key_slots.py)."""
+        self.balancer.metrics.key_limited.labels(reason).inc()
+        cap = self.slots.cap
+        message, code = {
+            "in_flight": (f"this key already has {cap} requests in flight (RJ_API_KEY_MAX_IN_FLIGHT)",
+                          "too_many_in_flight"),
+            "queue_full": (f"this key already has {cap} requests in flight and {self.slots.max_queued} waiting "
+                           "(RJ_API_KEY_MAX_IN_FLIGHT, RJ_API_KEY_MAX_QUEUED); retry later", "key_queue_full"),
+            "queue_timeout": (f"this request waited {self.slots.max_wait_s:g} s for one of its key's {cap} "
+                              "in-flight slots (RJ_API_KEY_MAX_WAIT_MS); retry later", "key_queue_timeout"),
+        }[reason]
+        await self.forwarder.reject(route, ApiError(429, message, "rate_limit_error", code=code), send, request_id,
+                                    _RETRY_AFTER)
 
     async def _read_body(self, headers, receive) -> bytes | None:
         limit = self.max_body_bytes

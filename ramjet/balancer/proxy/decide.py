@@ -5,12 +5,14 @@ The live path (forward.py) and the operator API's explain (edge/admin.py) both a
 in precise mode the engines' reports (precise/mode.py: `match`) go into it exactly
 as they go into a forwarded request's. Deciding changes nothing: the router, the
 fleet and precise mode learn only from what happens to a request once it is sent
-(events.py).
+(events.py). A request's session hint (routing/hints.py) comes from its body or, with
+RJ_SESSION_HEADER, from that header: both paths pass the headers they were given.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ramjet.balancer.cluster.fleet import Fleet
@@ -30,15 +32,29 @@ class Choice:
 
 
 class Decider:
-    def __init__(self, router: Router, fleet: Fleet, precise: PreciseMode | None = None):
+    def __init__(self, router: Router, fleet: Fleet, precise: PreciseMode | None = None,
+                 session_header: str | None = None):
         self.router, self.fleet, self.precise = router, fleet, precise
+        self.session_header = session_header.lower().encode() if session_header else None
 
-    async def decide(self, route: str, body: dict) -> Choice:
-        """Rank every replica for this request; ApiError (400) on wrong-typed prompt fields."""
+    async def decide(self, route: str, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> Choice:
+        """Rank every replica for this request; ApiError (400) on wrong-typed prompt fields.
+
+        `headers`: the request's (lower-case names, as ASGI gives them), for RJ_SESSION_HEADER."""
         started = time.monotonic()
         match = None
         if self.precise is not None:  # tokenized off the loop; None: routed approximately
             match = await self.precise.match(route, body)
         loads, routable = self.fleet.loads(), self.fleet.routable()
-        decision = self.router.decide(route, body, loads, routable, held=match.shares if match else None)
+        decision = self.router.decide(route, body, loads, routable, held=match.shares if match else None,
+                                      session_header=self._session_header(headers))
         return Choice(decision, loads, routable, match, time.monotonic() - started)
+
+    def _session_header(self, headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+        """The first value of the RJ_SESSION_HEADER header, if it is set and the request has one."""
+        name = self.session_header
+        if name is not None:
+            for k, v in headers:
+                if k == name:
+                    return v
+        return None

@@ -81,7 +81,7 @@ class Forwarder:
             try:
                 body = parse_object(raw, self.s.max_json_depth)
                 raw = strip_max_tokens(route, body, raw, self.s.max_tokens_strip)
-                o.choice = await self.decider.decide(route, body)
+                o.choice = await self.decider.decide(route, body, headers)
             except ApiError as e:
                 o.status, o.result = e.status, "rejected"
                 await send_json(send, e.status, e.body(), _id_header(o))

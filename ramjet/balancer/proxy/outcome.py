@@ -3,6 +3,7 @@
 The forwarder fills an `Outcome` as the request goes (the decision, every
 attempt, the answer, usage) and hands it to `Recorder.finish` exactly once,
 whatever the ending: answered, failed over and out, rejected, or cancelled.
+The dashboard's history (samples.py) is handed the same record, to fold in once a second.
 Nothing here holds prompt text, URLs or keys.
 """
 
@@ -18,6 +19,7 @@ from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.proxy.decide import Choice
 from ramjet.balancer.proxy.journal import Journal
+from ramjet.balancer.proxy.samples import Samples
 from ramjet.usage import Usage
 
 log = logging.getLogger("ramjet.requests")
@@ -60,8 +62,10 @@ class Outcome:
 
 
 class Recorder:
-    def __init__(self, metrics: Metrics, replicas: list[Replica], journal: Journal | None = None):
+    def __init__(self, metrics: Metrics, replicas: list[Replica], journal: Journal | None = None,
+                 samples: Samples | None = None):
         self.metrics = metrics
+        self.samples = samples if samples is not None else Samples(len(replicas))  # the dashboard's history
         self.replicas = replicas
         self.replica_metrics = [metrics.for_replica(r.labels) for r in replicas]
         self.ordinals = [str(r.ordinal) for r in replicas]
@@ -71,6 +75,7 @@ class Recorder:
     def finish(self, o: Outcome) -> None:
         duration = time.monotonic() - o.t0
         self._metrics(o, duration)
+        self.samples.record(o)  # kept for the next second's sample: nothing computed here (samples.py)
         if self.journal and o.choice is not None:
             self.journal.write(self._journal_record(o, duration))
         if log.isEnabledFor(logging.INFO):
@@ -92,6 +97,8 @@ class Recorder:
             child(m.decisions, reason).inc()
             if reason == "fail_open":
                 m.fail_open.inc()
+            if (use := o.choice.decision.hint_use) is not None:
+                child(m.session_hints, use).inc()
         for a in o.attempts:
             if "failed" in a:
                 child(m.failovers, a["failed"]).inc()
@@ -124,6 +131,8 @@ class Recorder:
                   "loads": c.loads, "serving": c.routable, "reason": d.ranking.reason, "policy": d.policy,
                   "precise": [s is not None for s in c.match.shares] if c.match else None,
                   "attempts": o.attempts}
+        if d.hint:  # the session key's keyed hash (routing/hints.py), never the key
+            record["hint"] = f"{d.hint:016x}"
         if o.replica is not None:
             record["choice"] = o.replica
         record.update(outcome=o.result, status=o.status,

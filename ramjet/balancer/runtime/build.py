@@ -10,6 +10,7 @@ the decision service reads.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from ramjet.balancer.proxy.forward import Forwarder, ForwardSettings
 from ramjet.balancer.proxy.journal import Journal, routing_header
 from ramjet.balancer.proxy.outcome import Recorder
 from ramjet.balancer.proxy.relay import PASSED_RESPONSE_HEADERS
+from ramjet.balancer.proxy.samples import Samples
 from ramjet.balancer.runtime.memory import Memory
 from ramjet.config import Settings
 from ramjet.routing.policy import Params
@@ -36,6 +38,7 @@ from ramjet.routing.token_index import TokenIndex
 
 PASSTHROUGH_EXTRA_S = 10.0  # a passthrough may take the readiness timeout plus this
 LAG_SAMPLE_S = 0.25
+SAMPLE_S = 1.0  # the dashboard's history: one sample a second (proxy/samples.py)
 
 
 async def watch_loop_lag(metrics: Metrics) -> None:
@@ -44,6 +47,13 @@ async def watch_loop_lag(metrics: Metrics) -> None:
         started = time.monotonic()
         await asyncio.sleep(LAG_SAMPLE_S)
         metrics.loop_lag.observe(max(time.monotonic() - started - LAG_SAMPLE_S, 0.0))
+
+
+async def sample_every_second(samples: Samples, fleet: Fleet, replicas: int) -> None:
+    """Fold the requests of each second, and the fleet's state, into the dashboard's history."""
+    while True:
+        await asyncio.sleep(SAMPLE_S)
+        samples.tick(time.time(), [fleet.view(i) for i in range(replicas)])
 
 
 @dataclass
@@ -62,6 +72,7 @@ class Balancer:
     memory: Memory | None = None
     engine_load: EngineLoad | None = None  # RJ_ENGINE_LOAD=auto
     engines: EngineClient | None = None    # small questions to the engines (precise mode's discovery)
+    samples: Samples | None = None         # the dashboard's history (proxy/samples.py)
     draining: bool = False  # set by `ramjet serve` on SIGTERM: not ready, still serving (server/serve.py)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -70,6 +81,8 @@ class Balancer:
             await self.memory.start()  # asks each engine who it is (SGLang's /server_info: at most 10 s)
             self._tasks.append(asyncio.create_task(self.memory.keep()))
         self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
+        if self.samples is not None:
+            self._tasks.append(asyncio.create_task(sample_every_second(self.samples, self.fleet, len(self.replicas))))
         if self.prober is not None:
             self._tasks.append(asyncio.create_task(self.prober.run()))
         if self.precise is not None:
@@ -125,7 +138,8 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     params = Params(cap_blocks=s.route_max_overlap_blocks, alpha=s.route_alpha, chunk_bytes=s.route_chunk_bytes,
                     load_unit_bytes=s.route_load_unit_bytes, max_load_units=s.route_max_load_units)
     router = Router(s.policy_name, params, [s.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
-                    s.route_max_prefix_bytes, balance_new_sessions=s.balance_new_sessions)
+                    s.route_max_prefix_bytes, balance_new_sessions=s.balance_new_sessions,
+                    session_hints=s.session_hints, hint_salt=os.urandom(16))  # keys hashed, unlinkable across runs
     fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
                   s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
@@ -145,8 +159,9 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     fleet.on_cache_lost(learning.forget)
     if precise is not None:
         fleet.on_cache_lost(precise.forget)
-    decider = Decider(router, fleet, precise)
-    forwarder = Forwarder(replicas, decider, fleet, upstream, Recorder(metrics, replicas, journal), metrics,
+    decider = Decider(router, fleet, precise, s.session_header if s.session_hints else None)
+    samples = Samples(len(replicas))
+    forwarder = Forwarder(replicas, decider, fleet, upstream, Recorder(metrics, replicas, journal, samples), metrics,
                           ForwardSettings(s.route_max_attempts, s.first_byte_timeout_s,
                                           s.health_timeout_s + PASSTHROUGH_EXTRA_S, s.max_json_depth,
                                           s.failover_budget_percent / 100,
@@ -164,4 +179,4 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     engine_load = EngineLoad(replicas, fleet, metrics, EngineClient(upstream, s.health_timeout_s),
                              s.engine_load_interval_s) if s.engine_load == "auto" else None
     return Balancer(s, replicas, metrics, fleet, router, upstream, decider, forwarder, prober, journal, precise,
-                    memory, engine_load, engines)
+                    memory, engine_load, engines, samples)
