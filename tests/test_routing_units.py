@@ -188,6 +188,36 @@ def _next_turn(session: int, turns: int) -> dict:
     return chat(msgs)
 
 
+def test_a_growing_text_prompt_settles_on_its_last_whole_block():
+    """A raw completions prompt grows in place: its short last block is gone from the next turn."""
+    text = "x" * (3 * CHUNK + 100)
+    fp = fingerprint("completions", {"model": "m", "prompt": text}, CHUNK, 1 << 20)
+    nxt = fingerprint("completions", {"model": "m", "prompt": text + "more"}, CHUNK, 1 << 20)
+    assert fp.settled == len(fp.blocks) - 1 and nxt.blocks[:fp.settled] == fp.settled_blocks
+    assert fp.blocks[-1] not in nxt.blocks  # the short last block never comes back
+    exact = fingerprint("completions", {"model": "m", "prompt": "y" * (2 * CHUNK)}, CHUNK, 1 << 20)
+    assert exact.settled == -1 and exact.settled_blocks == exact.blocks  # no short block to drop
+    chat_fp = fingerprint("chat", chat([{"role": "user", "content": text}]), CHUNK, 1 << 20)
+    assert chat_fp.settled == -1  # a message never changes once sent: every block comes back
+    ids = fingerprint("generate", {"model": "m", "input_ids": list(range(900))}, CHUNK, 1 << 20)
+    assert ids.settled == len(ids.blocks) - 1
+
+
+def test_a_growing_completions_conversation_is_continued_not_new():
+    """Its next turn extends the text: without settling on whole blocks every turn would look new."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)
+    text = "harness " * 600 + "task one " * 50
+    for turn in range(3):
+        d = router.decide("completions", {"model": "m", "prompt": text}, [0, 0], [True, True])
+        assert d.new_session == (turn == 0), turn
+        assert turn == 0 or router.index.continues(d.fingerprint.blocks, d.overlaps)
+        router.answered(0, d)
+        text += f" answer {turn} and tool result {turn}" * 30
+    other = router.decide("completions", {"model": "m", "prompt": "harness " * 600 + "task two " * 50},
+                          [0, 0], [True, True])
+    assert other.new_session  # another conversation on the same harness
+
+
 def test_a_conversation_whose_end_the_index_lost_is_still_no_new_session():
     """The index's LRU drops a conversation's last blocks first; the router's memory of answered chains keeps it."""
     router = Router("relative", Params(chunk_bytes=CHUNK), [40, 40], 1 << 20, balance_new_sessions=True)

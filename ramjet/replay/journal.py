@@ -196,7 +196,10 @@ def _request(obj: dict, where: str) -> Request:
         answered = [a["upstream"] for a in obj["attempts"] if 200 <= (a.get("status") or 0) < 300]
         usage = obj.get("usage") or {}
         ttfb = obj.get("ttfb_ms")
-        return Request(ts=float(obj["ts"]), fingerprint=Fingerprint(blocks, ends, prompt_bytes),
+        settled = int(obj.get("settled", -1))
+        if not -1 <= settled <= len(blocks):
+            raise ValueError("'settled' must be -1 or at most the chain's length")
+        return Request(ts=float(obj["ts"]), fingerprint=Fingerprint(blocks, ends, prompt_bytes, settled),
                        session=int(obj["session"], 16), loads=[float(x) for x in obj["loads"]],
                        serving=[bool(x) for x in obj["serving"]], answered_by=answered[-1] if answered else None,
                        ttfb_s=None if ttfb is None else ttfb / 1000, duration_s=float(obj["duration_ms"]) / 1000,

@@ -12,6 +12,12 @@ block included, reappears unchanged in the next: with fixed-offset blocks the
 previous turn's partial tail block never matches again, and a session whose
 first turn added less than one block of its own would look brand new on its
 second turn.
+
+That holds for items that never change once sent (messages, tools). A prompt sent as
+one growing text (`/v1/completions` and `/generate` text or ids, a Responses string
+input) grows in place instead: its short last block is gone from the next turn, where
+the text goes on past it. So a fingerprint also says how many of its leading blocks a
+continuation repeats unchanged (`settled`), and a conversation is recognised by those.
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ class Fingerprint:
     blocks: list[int]   # chained hashes, in prompt order
     ends: list[int]     # ends[i]: prompt bytes covered by blocks[0..i]
     prompt_bytes: int   # the whole canonical prompt, including bytes past the prefix cap
+    settled: int = -1   # leading blocks a continuation repeats unchanged (-1: all of them)
+
+    @property
+    def settled_blocks(self) -> list[int]:
+        """The blocks a continuation of this prompt repeats: all, less a growing text's short last block."""
+        return self.blocks if self.settled < 0 else self.blocks[:self.settled]
 
     def covered_bytes(self, depth: int) -> int:
         """Bytes covered by the first `depth` blocks."""
@@ -136,7 +148,24 @@ def chain_hashes(items: list[bytes], chunk_bytes: int, max_prefix_bytes: int) ->
     return blocks, ends
 
 
+# where the prompt's last item is one text that a continuation extends in place (the field it came from)
+_GROWING = {"completions": "prompt", "generate": "text", "responses": "input"}
+
+
+def _grows(route: str, body: dict) -> bool:
+    field = _GROWING.get(route)
+    if field is None:
+        return False
+    if route == "generate" and body.get("text") is None:
+        return body.get("input_ids") is not None  # one JSON list of ids, extended in place
+    return isinstance(body.get(field), str)
+
+
 def fingerprint(route: str, body: dict, chunk_bytes: int, max_prefix_bytes: int) -> Fingerprint:
     items = prompt_items(route, body)
     blocks, ends = chain_hashes(items, chunk_bytes, max_prefix_bytes)
-    return Fingerprint(blocks, ends, sum(map(len, items)))
+    prompt_bytes = sum(map(len, items))
+    settled = -1
+    if blocks and _grows(route, body) and ends[-1] == prompt_bytes and len(items[-1]) % chunk_bytes:
+        settled = len(blocks) - 1  # the growing text's short last block is not repeated by its next turn
+    return Fingerprint(blocks, ends, prompt_bytes, settled)

@@ -53,17 +53,19 @@ class PrefixIndex:
             alive ^= low
         return result
 
-    def record(self, replica: int, blocks: list[int]) -> None:
+    def record(self, replica: int, blocks: list[int], settled: int = -1) -> None:
         """Remember that `replica` now holds `blocks`; evict its least recently used beyond capacity.
 
         Blocks are touched tail first, so a chain's leading blocks (shared by
         every turn of a session, and by sessions of one harness) are the most
-        recent and the last to be evicted.
+        recent and the last to be evicted. The end mark goes on the last block a
+        continuation repeats (`settled` leading blocks; -1: all of them).
         """
         lru = self._lru[replica]
         bit = 1 << replica
         holders = self._holders
-        end = (blocks[-1] ^ TIP,) if self._mark_ends and blocks else ()
+        last = len(blocks) if settled < 0 else settled
+        end = (blocks[last - 1] ^ TIP,) if self._mark_ends and last else ()
         for h in chain(end, reversed(blocks)):
             if h in lru:
                 lru.move_to_end(h)

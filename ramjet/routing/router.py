@@ -131,14 +131,15 @@ class Router:
 
         A continuing request that no replica still held whole tells that the caches are evicting
         live conversations (the cache pressure)."""
-        self.index.record(replica, decision.fingerprint.blocks)
+        fp = decision.fingerprint
+        self.index.record(replica, fp.blocks, fp.settled)
         if self.balance_new_sessions:
             if decision.continued:
                 self.pressure.observe(max(decision.overlaps, default=0) < decision.continued)
             self.demand.record(replica, decision.fingerprint.prompt_bytes)
-            self.conversations.key(decision.fingerprint.blocks)
+            self.conversations.key(fp.settled_blocks)
         if decision.hint:
-            self.homes.answered(decision.hint, replica, decision.fingerprint.blocks)
+            self.homes.answered(decision.hint, replica, fp.settled_blocks)
 
     def forget(self, replica: int) -> None:
         """The replica's cache is gone (its engine restarted): it holds nothing, hosts no sessions."""

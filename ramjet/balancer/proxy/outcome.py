@@ -125,12 +125,14 @@ class Recorder:
         record = {"ts": round(o.ts, 6), "id": o.request_id, "route": o.route, "blocks": len(fp.blocks),
                   "prompt_bytes": fp.prompt_bytes, "chain": [f"{h:016x}" for h in fp.blocks],
                   "sizes": [b - a for a, b in zip([0, *fp.ends], fp.ends)],
-                  "session": f"{self.journal.sessions.key(fp.blocks):016x}",
+                  "session": f"{self.journal.sessions.key(fp.settled_blocks):016x}",
                   "tiebreak": f"{fp.blocks[-1] if fp.blocks else 0:016x}",
                   "overlaps": d.overlaps, "scores": d.ranking.scores,
                   "loads": c.loads, "serving": c.routable, "reason": d.ranking.reason, "policy": d.policy,
                   "precise": [s is not None for s in c.match.shares] if c.match else None,
                   "attempts": o.attempts}
+        if fp.settled >= 0:  # a growing text: how many leading blocks its next turn repeats (fingerprint.py)
+            record["settled"] = fp.settled
         if d.hint:  # the session key's keyed hash (routing/hints.py), never the key
             record["hint"] = f"{d.hint:016x}"
         if o.replica is not None:
