@@ -19,9 +19,11 @@ the shared harness on a third, and other sessions' blocks on every replica (a fu
 193K-token pool each). Parsing the JSON body is not counted (the balancer parses it
 once for both modes; benchmarks/routing_cost.py measures it). The balancer runs this
 on a worker thread; the figures are the work itself. It prints figures, it checks
-nothing: the design target is a median of at most 2 ms for the warm extend. Run:
+nothing: the design target is a median of at most 2 ms for the warm extend. `--replicas` runs
+it for other replica counts (issue 25): each replica's pool is 193K tokens up to 40 replicas
+and 193K x 40 / replicas beyond, so the index holds the same 7.7M tokens at 2,048 as at 40. Run:
 
-    python benchmarks/precise_routing_cost.py [--repeat 300] [--cold-repeat 10] [--quick]
+    python benchmarks/precise_routing_cost.py [--repeat 300] [--cold-repeat 10] [--quick] [--replicas 8,40,2048]
 """
 
 from __future__ import annotations
@@ -84,19 +86,25 @@ def body(messages: list[dict], tools: list) -> dict:
     return {"model": "glm-5.3", "messages": messages, "tools": tools, "stream": True, "max_tokens": 1024}
 
 
-def filled_index(own: list[int], rng: random.Random) -> TokenIndex:
-    """8 replicas, each a full pool of other sessions' blocks; this conversation's previous turn on replica 2,
-    its first 60% on replica 5, its first 18K tokens (the harness) on replica 7."""
-    index = TokenIndex(REPLICAS)
+def pool_tokens(replicas: int) -> int:
+    return POOL_TOKENS if replicas <= 40 else POOL_TOKENS * 40 // replicas
+
+
+def filled_index(own: list[int], rng: random.Random, replicas: int = REPLICAS) -> TokenIndex:
+    """`replicas` replicas (at least 8), each a full pool of other sessions' blocks; this conversation's
+    previous turn on replica 2, its first 60% on replica 5, its first 18K tokens (the harness) on replica 7."""
+    index = TokenIndex(replicas)
     engine_hash = iter(range(1, 1 << 62))
 
     def store(replica: int, ids: list[int]) -> None:
         n = len(ids) // BLOCK
         index.stored(replica, [next(engine_hash) for _ in range(n)], None, ids[:n * BLOCK], BLOCK, "GPU")
 
-    for r in range(REPLICAS):
-        for _ in range(POOL_TOKENS // (600 * BLOCK)):  # other sessions: chains of 600 blocks (38K tokens)
-            store(r, [rng.randrange(1, 30_000) for _ in range(600 * BLOCK)])
+    pool = pool_tokens(replicas)
+    chains = [600 * BLOCK] * (pool // (600 * BLOCK)) or [pool]  # other sessions: chains of 600 blocks (38K tokens)
+    for r in range(replicas):
+        for tokens in chains:
+            store(r, [rng.randrange(1, 30_000) for _ in range(tokens)])
     store(2, own)
     store(5, own[: len(own) * 6 // 10])
     store(7, own[:18_000])
@@ -138,6 +146,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=300, help="warm-extend repetitions (300)")
     ap.add_argument("--cold-repeat", type=int, default=10, help="cold-prompt repetitions (10)")
     ap.add_argument("--quick", action="store_true", help="30 warm and 2 cold repetitions: a smoke run")
+    ap.add_argument("--replicas", default=str(REPLICAS), help="comma-separated replica counts, each at least 8 (8)")
     args = ap.parse_args()
     if args.quick:
         args.repeat, args.cold_repeat = 30, 2
@@ -152,29 +161,28 @@ def main() -> None:
         *messages, cold_tools = conversation(f"cold-{i}", args.tokens, counter)
         colds.append(body(messages, cold_tools))
     del counter
-    tokenizer = load_tokenizer(TOKENIZER_DIR)  # what the balancer loads from RJ_TOKENIZER
-    tokenizer.part_separator = " "  # as the balancer sets it for an SGLang engine; no request here has parts
-    seen = tokenizer.encode_rendered(tokenizer.render_chat(body(base, tools)))  # the turn the balancer saw
-    Matcher.chain(seen, BLOCK)
-    previous = seen.ids
-    index = filled_index(list(previous), random.Random(7))
-    print(f"(set-up {time.perf_counter() - setup:.1f} s; index: {sum(index.size(r) for r in range(REPLICAS)):,} "
-          f"blocks on {REPLICAS} replicas)")
-
-    gc.collect()
-    warm = [one(tokenizer, index, b) for b in extends]
-    held = warm[-1][5]
-    cold = [one(tokenizer, index, b) for b in colds]
-    print(f"\nwarm extend: replica 2 holds {held[2].gpu_tokens:,} of {warm[-1][4]:,} tokens, replica 5 "
-          f"{held[5].gpu_tokens:,}, replica 7 {held[7].gpu_tokens:,}; cold: every replica holds "
-          f"{max(h.tokens for h in cold[-1][5]):,}\n")
-    print("| request | prompt tokens | new tokens | runs | render ms | tokenize ms | chain ms | walk ms "
+    print(f"(set-up {time.perf_counter() - setup:.1f} s)")
+    print("| replicas | request | prompt tokens | new tokens | runs | render ms | tokenize ms | chain ms | walk ms "
           "| total median ms | p90 ms | p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    report("warm extend", warm, warm[-1][4] - len(previous))
-    report("cold", cold, None)
-    median = statistics.median(sum(r[:4]) for r in warm) * 1e3
-    print(f"\nwarm extend median {median:.2f} ms against the 2 ms target: {'within' if median <= 2 else 'OVER'}")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for replicas in (int(n) for n in args.replicas.split(",")):
+        # A fresh tokenizer each time: what it remembers of earlier renderings is the balancer's, per conversation.
+        tokenizer = load_tokenizer(TOKENIZER_DIR)  # what the balancer loads from RJ_TOKENIZER
+        tokenizer.part_separator = " "  # as the balancer sets it for an SGLang engine; no request here has parts
+        seen = tokenizer.encode_rendered(tokenizer.render_chat(body(base, tools)))  # the turn the balancer saw
+        Matcher.chain(seen, BLOCK)
+        previous = seen.ids
+        index = filled_index(list(previous), random.Random(7), replicas)
+        gc.collect()
+        warm = [one(tokenizer, index, b) for b in extends]
+        held = warm[-1][5]
+        cold = [one(tokenizer, index, b) for b in colds]
+        assert held[2].gpu_tokens > held[5].gpu_tokens > held[7].gpu_tokens > 0
+        report(f"{replicas} | warm extend", warm, warm[-1][4] - len(previous))
+        report(f"{replicas} | cold", cold, None)
+        median = statistics.median(sum(r[:4]) for r in warm) * 1e3
+        print(f"|  | (warm extend median {median:.2f} ms against the 2 ms target: {'within' if median <= 2 else 'OVER'};"
+              f" {sum(index.size(r) for r in range(replicas)):,} blocks indexed) |", flush=True)
 
 
 if __name__ == "__main__":

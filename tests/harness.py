@@ -24,6 +24,7 @@ from poll import until
 from ramjet.balancer.cluster.topology import build_replicas
 from ramjet.balancer.edge.app import BalancerApp
 from ramjet.balancer.runtime.build import Balancer, build_balancer
+from ramjet.bench.procs import free_ports
 from ramjet.bench.scrape import metric_sum
 from ramjet.config import load_settings
 from ramjet.sim.config import SimConfig
@@ -124,28 +125,6 @@ async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False,
 
 
 # --- precise mode: simulators publishing their KV events, the balancer following them ---------------
-
-
-def free_ports(n: int) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1 (rank r publishes on base + r)."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-        probe.close()
-        held = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def precise_stack(fmt: str = "sglang", dp: int = 8, replay: bool = True, **extra):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness import BalancerTransport, chat_body, metric_sum, serve_in_process, stack
+from harness import BalancerTransport, chat_body, free_ports, metric_sum, serve_in_process, stack
 from poll import until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,22 +37,6 @@ from ramjet.sim.server import build_app
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-metrics" / "dp2-busy.txt"
 FAST = {"engine_load_interval_ms": "100"}
 WORDS = "cache prefix block token rank engine router session turn replica event index hash memory".split()
-
-
-def free_ports(n: int) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        try:
-            with contextlib.ExitStack() as held:
-                for p in range(base, base + n):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no run of free ports on 127.0.0.1")
 
 
 def publishing(dp: int = 2) -> dict:

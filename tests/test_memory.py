@@ -80,6 +80,62 @@ def test_an_unreadable_or_foreign_file_is_set_aside_and_the_balancer_starts_empt
     assert len(caplog.records) == 2 and "starting empty" in caplog.text
 
 
+def two_chains(path: Path) -> Memory:
+    """A Memory of two replicas holding one chain each: [1, 2, 3] and [7, 8]."""
+    before = router(2)
+    before.index.record(0, [1, 2, 3])
+    before.index.record(1, [7, 8])
+    return Memory(path, 30, replicas(0, 1), before, None)
+
+
+@pytest.mark.unit
+def test_a_file_cut_short_corrupted_or_edited_is_refused_whole_and_counted(tmp_path, caplog):
+    """A state file that is not what the balancer wrote routes nothing: a flipped byte could move sessions."""
+    import msgpack
+
+    from ramjet.balancer.metrics import Metrics
+    path = tmp_path / "state"
+    saved = two_chains(path)
+    saved.write(saved.snapshot())
+    good = path.read_bytes()
+    framed = msgpack.unpackb(good)
+    body = msgpack.unpackb(framed["body"], strict_map_key=False)
+    body[next(iter(body))]["approximate"] = [7, 8, 9]  # by hand: another replica's chain, the digest left alone
+    edited = msgpack.packb({**framed, "body": msgpack.packb(body)})
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x40
+    metrics = Metrics()
+    caplog.set_level(logging.WARNING)
+    for bad in (good[: len(good) // 2], good[:-1], bytes(flipped), edited):
+        path.write_bytes(bad)
+        after = router(2)
+        assert Memory(path, 30, replicas(0, 1), after, None, metrics=metrics).restore() == 0
+        assert after.index.size(0) == after.index.size(1) == 0
+    assert metrics.state_restores.labels("unreadable")._value.get() == 4
+    assert caplog.text.count("starting empty") == 4
+    path.write_bytes(good)  # and the file as written still comes back
+    after = router(2)
+    assert Memory(path, 30, replicas(0, 1), after, None).restore() == 2
+
+
+@pytest.mark.unit
+def test_an_earlier_files_bad_entry_empties_that_replica_only(tmp_path, caplog):
+    """A digest-less file of the earlier format, one entry edited to nonsense: the others still come back."""
+    import msgpack
+
+    from ramjet.balancer.runtime.memory import EARLIER
+    path = tmp_path / "state"
+    snapshot = two_chains(path).snapshot()
+    first = next(iter(snapshot["replicas"]))
+    snapshot["replicas"][first]["approximate"] = ["not", "a", "hash"]
+    path.write_bytes(msgpack.packb({**snapshot, "format": EARLIER}))
+    after = router(2)
+    caplog.set_level(logging.WARNING)
+    assert Memory(path, 30, replicas(0, 1), after, None).restore() == 1
+    assert after.index.size(0) == 0 and sorted(after.index.export(1)) == [7, 8]
+    assert "ignoring its saved state" in caplog.text
+
+
 class EngineView:
     """What Memory asks of precise mode, over a real token index."""
 

@@ -388,14 +388,18 @@ def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
                         "model": eng.model, "prompt": f"client {n}: " + "word " * 300, "max_tokens": 2000,
                         "ignore_eos": True, "temperature": 0})
 
-        workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(8)]
+        # two streams are load enough; more starve the balancer of the two CPU cores the engine shares
+        workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(2)]
         seen = [0.0, 0.0]
         try:
             for w in workers:
                 w.start()
             deadline = time.monotonic() + 60
             while seen[0] == 0 and time.monotonic() < deadline:
-                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+                try:  # a CPU engine decoding flat out can keep the balancer off the cores for a while
+                    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+                except httpx.TimeoutException:
+                    continue
                 seen = [max(s, metric_sum(text, "ramjet_engine_load_units", rank=str(r))) for r, s in enumerate(seen)]
                 time.sleep(0.1)
         finally:

@@ -134,7 +134,12 @@ class Metrics:
         self.kv_events = Counter("ramjet_kv_events", "KV events received, by type", (*REPLICA_LABELS, "type"),
                                  registry=r)
         self.kv_stream_states = Counter("ramjet_kv_stream_states", "KV event stream changes: live, gap (replayed), "
-                                        "partial, restart, silent", (*REPLICA_LABELS, "kind"), registry=r)
+                                        "partial, restart, silent, disconnected, shed, overflow",
+                                        (*REPLICA_LABELS, "kind"), registry=r)
+        self.kv_refused = Counter("ramjet_kv_refused", "What a replica's KV event stream sent that was not applied, by "
+                                  "reason: undecodable or oversized messages, events of an unknown type, a stream "
+                                  "shed over its budget, a view cleared at RJ_KV_EVENTS_MAX_BLOCKS (overflow)",
+                                  (*REPLICA_LABELS, "reason"), registry=r)
         self.kv_event_lag = Histogram("ramjet_kv_event_lag_seconds", "From an event batch's engine timestamp to "
                                       "its arrival here", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                       registry=r)

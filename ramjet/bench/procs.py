@@ -7,6 +7,7 @@ deadline, and a stop that never leaves an orphan behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -30,6 +31,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """A base port with `n` consecutive free ports on 127.0.0.1 (an engine's ranks publish on base + r)."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for p in range(base, base + n):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {n} free ports on 127.0.0.1")
 
 
 class ManagedProcess:

@@ -20,6 +20,7 @@ from ramjet.config.derived import BYTES_PER_TOKEN, Derived
 from ramjet.config.rust import RustCompat
 from ramjet.config.values import FALSE_WORDS, TRUE_WORDS, ConfigError, is_loopback, normalise_url, parse_addr
 from ramjet.routing.policies import BASES
+from ramjet.routing.shortlist import DEFAULT_ABOVE as SHORTLIST_ABOVE
 
 __all__ = ["BYTES_PER_TOKEN", "FALSE_WORDS", "MIB", "TRUE_WORDS", "ConfigError", "Settings"]
 
@@ -58,6 +59,7 @@ class Settings(RustCompat, Derived):
     route_load_unit_bytes: PositiveInt = 32768
     route_max_load_units: PositiveInt = 8
     route_max_attempts: PositiveInt = 3
+    route_shortlist_above: NonNegativeInt = SHORTLIST_ABOVE  # replicas; beyond: a shortlist (routing/shortlist.py)
     # session hints: the clients' own conversation keys (routing/hints.py, routing/homes.py)
     session_hints: bool = True
     session_header: str | None = None  # a request header naming the conversation, e.g. x-session-id; None: off
@@ -114,6 +116,12 @@ class Settings(RustCompat, Derived):
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_silence_ms: PositiveInt = 10_000
+    # what one engine's streams may cost (balancer/precise/intake.py, kvevents/subscriber.py)
+    kv_events_loop_share: float = Field(0.25, gt=0, le=1)  # of the event loop, for every stream's events together
+    kv_events_max_rate: PositiveInt = 20_000       # events/s of one replica before its stream is shed
+    kv_events_max_frame_bytes: int = Field(MIB, ge=1024)  # a bigger frame is refused unread (ZMQ_MAXMSGSIZE)
+    kv_events_max_queued_bytes: int = Field(32 * MIB, ge=1024)  # per stream, in ZMQ's queue (RCVHWM = this / frame)
+    kv_events_max_blocks: PositiveInt = 262_144    # per replica in the token index; beyond, its view is cleared
     kv_host_tier_credit: float = Field(0.9, ge=0, le=1)
     tokenizer: Path | None = Field(None, validate_default=True)
 
@@ -248,6 +256,14 @@ class Settings(RustCompat, Derived):
         if v is not None and (not re.fullmatch(r"[A-Za-z0-9-]+", v) or v.lower().startswith("x-ramjet-")):
             raise ValueError("expected one header name such as x-session-id (x-ramjet-* are the balancer's own)")
         return v.lower() if v is not None else v
+
+    @field_validator("kv_events_max_queued_bytes")
+    @classmethod
+    def _v_queue_holds_a_frame(cls, v: int, info: ValidationInfo) -> int:
+        frame = info.data.get("kv_events_max_frame_bytes")
+        if frame is not None and v < frame:
+            raise ValueError(f"must hold at least one frame of RJ_KV_EVENTS_MAX_FRAME_BYTES ({frame})")
+        return v
 
     @field_validator("kv_events", mode="before")
     @classmethod

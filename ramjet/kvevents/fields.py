@@ -1,7 +1,12 @@
-"""Checks on the fields of a decoded KV event or load message: each value the type the wire format promises.
+"""The field-by-field reader of KV events, and its checks: each value the type the wire format promises.
 
-A value of any other type is one `WireError` naming the field and what came instead,
-so a malformed frame from an engine is refused whole, never half-applied.
+`wire.decode_payload` decodes today's engines' batches in one compiled pass (msgspec); what
+that pass refuses is read again here, event by event from the generic msgpack form: the
+older releases' tagged arrays, SGLang 0.5.18-0.5.19's metadata map, bytes block hashes,
+vLLM's non-empty extra keys, event types this reader does not know (skipped and counted),
+and malformed input, which this reader names. A value of any other type than the format
+promises is one `WireError` naming the field and what came instead, so a malformed frame
+from an engine is refused whole, never half-applied.
 """
 
 from __future__ import annotations
@@ -75,3 +80,90 @@ def _freeze(value: Any) -> Any:
 def describe(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# ----------------------------------------------------------------------------- events, field by field
+
+
+def read_events(raw_events: list, kinds: dict[str, type]) -> tuple[list, int]:
+    """(events, how many were of a type not in `kinds`) from a batch's generic msgpack events."""
+    events, skipped = [], 0
+    for raw in raw_events:
+        event = _event(raw, kinds)
+        if event is None:
+            skipped += 1
+        else:
+            events.append(event)
+    return events, skipped
+
+
+def _event(raw: Any, kinds: dict[str, type]):
+    """One event in either shape; None for a type this reader does not know."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+    elif isinstance(raw, list) and raw:
+        kind = raw[0]
+    else:
+        raise WireError(f"an event is a map or a tagged array, got {describe(raw)}")
+    if not isinstance(kind, str):
+        raise WireError(f"an event's type tag is a string, got {describe(kind)}")
+    build = _BUILDERS.get(kind)
+    if build is None or kind not in kinds:
+        return None
+    if isinstance(raw, dict):
+        return build(raw, kinds[kind])
+    if len(raw) - 1 < _REQUIRED_POSITIONAL[kind]:
+        raise WireError(f"a {kind} array has at least {_REQUIRED_POSITIONAL[kind]} fields, got {len(raw) - 1}")
+    return build(dict(zip(_POSITIONAL[kind], raw[1:])), kinds[kind])
+
+
+def _stored(f: dict, make: type):
+    for name in ("block_hashes", "parent_block_hash", "token_ids", "block_size"):
+        if name not in f:
+            raise WireError(f"BlockStored lacks {name}")
+    optional = {}
+    if "medium" in f:
+        optional["medium"] = opt_str(f["medium"], "medium")
+    slot7 = f.get("lora_name_or_metadata")
+    if isinstance(slot7, dict):  # SGLang 0.5.18-0.5.19 metadata map
+        f = {**slot7, **f}
+    elif slot7 is not None:
+        f = {**f, "lora_name": slot7}
+    metadata = f.get("metadata")
+    if isinstance(metadata, dict):  # the map form proposed in SGLang PR #37271
+        f = {**metadata, **f}
+    return make(
+        block_hashes=block_hashes(f["block_hashes"]),
+        parent_block_hash=None if f["parent_block_hash"] is None else block_hash(f["parent_block_hash"]),
+        token_ids=ints(f["token_ids"], "token_ids"),
+        block_size=integer(f["block_size"], "block_size"),
+        lora_id=opt_int(f.get("lora_id"), "lora_id"),
+        extra_keys=frozen_extra_keys(f.get("extra_keys")),
+        cache_salt=opt_str(f.get("cache_salt"), "cache_salt"),
+        group_idx=opt_int(f.get("group_idx"), "group_idx"),
+        kv_cache_spec_kind=opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        lora_name=opt_str(f.get("lora_name"), "lora_name"),
+        session_id=opt_str(f.get("session_id"), "session_id"),
+        **optional,
+    )
+
+
+def _removed(f: dict, make: type):
+    if "block_hashes" not in f:
+        raise WireError("BlockRemoved lacks block_hashes")
+    return make(block_hashes(f["block_hashes"]), opt_str(f.get("medium"), "medium"),
+                opt_int(f.get("group_idx"), "group_idx"))
+
+
+def _cleared(_: dict, make: type):
+    return make()
+
+
+_BUILDERS = {"BlockStored": _stored, "BlockRemoved": _removed, "AllBlocksCleared": _cleared}
+_POSITIONAL = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name_or_metadata", "extra_keys", "group_idx", "kv_cache_spec_kind"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+_REQUIRED_POSITIONAL = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}

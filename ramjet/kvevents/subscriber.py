@@ -15,10 +15,12 @@ is dropped by sequence number (`sequencing.py` decides). Kinds of state:
   replica; the batches that follow belong to the new stream;
 - `silent`: nothing for `silence_s`; the engine may be idle, but the stream cannot vouch;
 - `disconnected`: the publisher's connection dropped (the engine stopped or restarted,
-  or the network failed). Batches published while it was down are lost unsaid, and a
+  the network failed, or a frame was over the limit: the socket is made anew, as libzmq
+  would not reconnect after that). Batches published while it was down are lost unsaid, and a
   restarted engine starts numbering again before anyone can tell: forget everything
   about the replica; what follows is read as a new stream (complete if it starts at 0,
-  partial if the old one goes on past what the replay holds).
+  partial if the old one goes on past what the replay holds);
+- `shed`: over the gate's budget, the stream is not read for a while (below).
 
 A stream can resume where an earlier subscriber left it (`resume`: the last batch it
 delivered, number and timestamp, saved by the balancer with its view of the replica):
@@ -26,13 +28,17 @@ the replay is asked from that batch, which must come back with the same timestam
 or the saved view cannot be vouched for (`partial`), or belongs to an engine that
 restarted since (`restart`).
 
-`EventStream.complete` says whether everything since the start (or since a restart)
-was delivered, so a consumer knows when its view of the replica is whole;
-`EventStream.counters` keeps totals for metrics.
+`complete` says whether everything since the start (or a restart) was delivered, so a
+consumer knows when its view of the replica is whole; `counters` keeps totals for metrics.
 
-Bounded: the SUB socket holds at most `max_pending` messages (ZMQ drops beyond that,
-which later shows as a gap); every replay reply is awaited at most `replay_timeout_s`;
-no Python-side queue grows. Messages that do not decode are counted and skipped.
+Bounded, whatever the publisher sends: ZMQ refuses a frame over `max_frame_bytes` unread
+(`ZMQ_MAXMSGSIZE`; the connection drops) and queues at most `max_queued_bytes //
+max_frame_bytes` messages (`ZMQ_RCVHWM`; beyond, it drops: a gap); replays are rationed
+(`Ration`: past it a gap is `partial`) and awaited at most `replay_timeout_s` a reply;
+undecodable messages are counted, logged at most once a minute, skipped. The socket is read
+in slices (SLICE messages, SLICE_S); a `gate` is awaited before each and told its cost, and
+may shed the stream: its socket closed for a while (the publisher drops what it sends),
+`shed` said, the next batch `partial` (no replay: what was shed stays lost).
 Read the stream continuously from one task: libzmq attaches a reconnected publisher,
 and resends the subscription to it, only while the socket's owner reads.
 """
@@ -41,88 +47,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Self
 
 import zmq
 import zmq.asyncio
 
 from ramjet.kvevents.discovery import Endpoints
-from ramjet.kvevents.sequencing import Sequencer, Verdict
+from ramjet.kvevents.sequencing import (DISCONNECTED, GAP, LIVE, PARTIAL, RESTART, SHED, SILENT, Gate, Ration,
+                                        StreamBook, StreamCounters, StreamState, Verdict)  # StreamCounters: re-exported
 from ramjet.kvevents.wire import Batch, WireError, decode_live, decode_replay
 
-log = logging.getLogger(__name__)
-
-LIVE, GAP, PARTIAL, RESTART, SILENT, DISCONNECTED = "live", "gap", "partial", "restart", "silent", "disconnected"
 _UNDECODABLE = object()
+SLICE, SLICE_S = 64, 0.005  # messages read, and time spent, before the loop gets a turn
 
 
-@dataclass(frozen=True, slots=True)
-class StreamState:
-    """A change in how far the stream can be trusted; `detail` says why, for logs."""
-
-    kind: str
-    detail: str = ""
-
-
-@dataclass(slots=True)
-class StreamCounters:
-    """Running totals, for metrics."""
-
-    batches: int = 0
-    events: int = 0
-    skipped_events: int = 0  # events of a type the decoder does not know
-    undecodable: int = 0  # messages dropped because they did not decode
-    duplicates: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replay_timeouts: int = 0
-    restarts: int = 0
-    disconnects: int = 0
-
-
-class EventStream:
+class EventStream(StreamBook):
     """The event stream of one rank's publisher (and its replay endpoint, when it has one)."""
 
     def __init__(self, endpoints: Endpoints, *, resume: tuple[int, float] | None = None,
-                 silence_s: float = 10.0, replay_timeout_s: float = 2.0, max_pending: int = 10_000,
+                 silence_s: float = 10.0, replay_timeout_s: float = 2.0, max_frame_bytes: int = 1 << 20,
+                 max_queued_bytes: int = 32 << 20, gate: Gate | None = None,
                  context: zmq.asyncio.Context | None = None):
-        if silence_s <= 0 or replay_timeout_s <= 0 or max_pending < 1:
-            raise ValueError("silence_s and replay_timeout_s are > 0, max_pending >= 1")
+        if silence_s <= 0 or replay_timeout_s <= 0 or max_frame_bytes < 1 or max_queued_bytes < max_frame_bytes:
+            raise ValueError("silence_s and replay_timeout_s are > 0, 1 <= max_frame_bytes <= max_queued_bytes")
+        super().__init__(resume)
         self.endpoints = endpoints
-        self.counters = StreamCounters()
         self._resume = resume
-        self._sequencer = Sequencer(resume[0] + 1 if resume else 0)
-        self.last: tuple[int, float] | None = resume  # the last batch delivered (seq, ts): where to resume from
         self._silence_s = silence_s
         self._replay_timeout_s = replay_timeout_s
-        self._max_pending = max_pending
+        self._max_frame = max_frame_bytes
+        self._max_pending = max(1, max_queued_bytes // max_frame_bytes)
+        self._gate = gate
+        self._replays = Ration()
+        self._after_shed = False
+        self._waited = 0.0  # of the current slice's time, spent waiting on a replay
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sub: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
-        self._replay_note = "no replay asked yet"
-        self._replay_answered = False
-        self._complete: bool | None = None
-        self._started = False
-        self._closed = False
+        self._sub = self._monitor = self._dealer = None  # zmq.asyncio sockets, once open
+        self._replay_note, self._replay_answered = "no replay asked yet", False
+        self._started = self._closed = False
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *_exc) -> None:
         self.close()
-
-    @property
-    def complete(self) -> bool | None:
-        """Whether every batch of the current stream since the start sequence was delivered.
-
-        None while unknown (no replay answered, no batch yet); False once a batch is
-        known lost (`partial`), until a `restart` begins a new stream.
-        """
-        return self._complete
 
     @property
     def closed(self) -> bool:
@@ -144,7 +114,7 @@ class EventStream:
         try:
             if self._closed:
                 return
-            self._sub = self._subscribe()
+            self._sub = await self._subscribe()
             self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             async with contextlib.aclosing(self._run()) as run:
                 async for item in run:
@@ -160,18 +130,25 @@ class EventStream:
         finally:
             self.close()
 
-    def _subscribe(self) -> zmq.asyncio.Socket:
+    async def _subscribe(self, retry_s: float = 0.0) -> zmq.asyncio.Socket:
+        """The SUB socket; `retry_s`: how long to retry a bind (a port we released a moment ago)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.linger = 0
         sub.rcvhwm = self._max_pending
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame + 64)  # the payload's limit, with room for the small frames
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
-        try:
-            (sub.bind if self.endpoints.bind else sub.connect)(self.endpoints.events)
-        except zmq.ZMQError as exc:
-            sub.close(linger=0)
-            verb = "bind" if self.endpoints.bind else "connect to"
-            raise ValueError(f"cannot {verb} the event endpoint {self.endpoints.events!r}: {exc}") from None
-        return sub
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                (sub.bind if self.endpoints.bind else sub.connect)(self.endpoints.events)
+                return sub
+            except zmq.ZMQError as exc:
+                if time.monotonic() < deadline and not self._closed:
+                    await asyncio.sleep(0.05)
+                    continue
+                sub.close(linger=0)
+                verb = "bind" if self.endpoints.bind else "connect to"
+                raise ValueError(f"cannot {verb} the event endpoint {self.endpoints.events!r}: {exc}") from None
 
     async def _run(self) -> AsyncIterator[Batch | StreamState]:
         seqr = self._sequencer
@@ -180,55 +157,115 @@ class EventStream:
         if self._complete is None and self._replay_answered and not self._resume:
             self._complete = True  # the replay had nothing since the start: nothing was missed
         silent, announced = False, False
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sub, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
         while not self._closed:
-            ready = dict(await poller.poll(int(self._silence_s * 1000)))
-            if not ready:
-                if not silent:
-                    silent = True
-                    yield StreamState(SILENT, f"no batch for {self._silence_s:g}s from {self.endpoints.events}")
-                continue
-            if self._monitor in ready:
-                await self._monitor.recv_multipart()  # only disconnections are monitored
-                self.counters.disconnects += 1
-                self._sequencer.reset()
-                self.last = None
-                self._complete, announced = None, False
-                yield StreamState(DISCONNECTED, f"the connection to {self.endpoints.events} dropped")
-                continue
-            if self._sub not in ready:
-                continue
-            batch = self._decode(decode_live, await self._sub.recv_multipart())
-            if batch is _UNDECODABLE:
-                continue
-            if silent or not announced:
-                silent, announced = False, True
-                yield StreamState(LIVE, f"receiving from {self.endpoints.events}")
-            previous = seqr.next_seq - 1
+            poller = zmq.asyncio.Poller()
+            poller.register(self._sub, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            reader = zmq.Socket.shadow(self._sub.underlying)  # reads without a Future per message
+            shed_for, reopen = None, False
+            while not self._closed and shed_for is None and not reopen:
+                ready = dict(await poller.poll(int(self._silence_s * 1000)))
+                if not ready:
+                    if not silent:
+                        silent = True
+                        yield StreamState(SILENT, f"no batch for {self._silence_s:g}s from {self.endpoints.events}")
+                    continue
+                if self._monitor in ready:
+                    await self._monitor.recv_multipart()  # only disconnections are monitored
+                    self.counters.disconnects += 1
+                    self._sequencer.reset()
+                    self.last = None
+                    self._complete, announced = None, False
+                    yield StreamState(DISCONNECTED, f"the connection to {self.endpoints.events} dropped")
+                    reopen = not self.endpoints.bind  # libzmq does not reconnect after a frame over MAXMSGSIZE
+                    continue
+                if self._sub not in ready:
+                    continue
+                if self._gate is not None:
+                    await self._gate.admit()
+                started, read, events, self._waited = time.perf_counter(), 0, 0, 0.0
+                while read < SLICE and time.perf_counter() - started < SLICE_S and not self._closed:
+                    try:
+                        frames = reader.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    read += 1
+                    batch = self._decode(decode_live, frames)
+                    if batch is _UNDECODABLE:
+                        continue
+                    if silent or not announced:
+                        silent, announced = False, True
+                        yield StreamState(LIVE, f"receiving from {self.endpoints.events}")
+                    events += len(batch.events)
+                    async for item in self._live(batch):
+                        yield item
+                else:
+                    read = SLICE  # stopped by the slice's limits: more may be waiting
+                if self._gate is not None:
+                    shed_for = self._gate.spent(time.perf_counter() - started - self._waited, events, read >= SLICE)
+                else:
+                    await asyncio.sleep(0)
+            if shed_for is not None and not self._closed:
+                async for item in self._shed(shed_for):
+                    yield item
+            elif reopen and not self._closed:
+                await self._reopen(0.0)
+
+    async def _live(self, batch: Batch) -> AsyncIterator[Batch | StreamState]:
+        """One batch from the live socket: delivered, dropped, or delivered after a repair."""
+        seqr = self._sequencer
+        previous = seqr.next_seq - 1
+        if self._after_shed and batch.seq >= seqr.next_seq:  # what was shed is lost: no replay
+            self._after_shed = False
+            verdict = seqr.settle(batch.seq)
+            if verdict is Verdict.HOLE:
+                yield StreamState(PARTIAL, f"batches {previous + 1}..{batch.seq - 1} were shed")
+            yield self._delivered(batch, verdict)
+            return
+        self._after_shed = False
+        verdict = seqr.live(batch.seq, batch.ts)
+        if verdict is Verdict.RESTART:
+            self.counters.restarts += 1
+            self._complete, self.last = None, None
+            yield StreamState(RESTART, f"the sequence went from {previous} back to {batch.seq}: a new stream")
             verdict = seqr.live(batch.seq, batch.ts)
-            if verdict is Verdict.RESTART:
-                self.counters.restarts += 1
-                self._complete, self.last = None, None
-                yield StreamState(RESTART, f"the sequence went from {previous} back to {batch.seq}: a new stream")
-                verdict = seqr.live(batch.seq, batch.ts)
-            if verdict is Verdict.GAP:
-                self.counters.gaps += 1
-                expected = seqr.next_seq
-                yield StreamState(GAP, f"expected batch {expected}, got {batch.seq}")
+        if verdict is Verdict.GAP:
+            self.counters.gaps += 1
+            expected = seqr.next_seq
+            yield StreamState(GAP, f"expected batch {expected}, got {batch.seq}")
+            if self._replays.take(time.monotonic()):
+                began = time.perf_counter()
                 async for item in self._repair(expected):
                     yield item
-                if self._closed:
-                    return
-                expected = seqr.next_seq
-                verdict = seqr.settle(batch.seq)
-                if verdict is Verdict.HOLE:
-                    yield StreamState(PARTIAL, f"batches {expected}..{batch.seq - 1} are lost ({self._replay_note})")
-            if verdict is Verdict.DUPLICATE:
-                self.counters.duplicates += 1
-                continue
-            yield self._delivered(batch, verdict)
+                self._waited += time.perf_counter() - began  # mostly waiting on the engine: not the loop's work
+            else:
+                self._replay_note = "replays are rationed and this stream asked too often"
+            if self._closed:
+                return
+            expected = seqr.next_seq
+            verdict = seqr.settle(batch.seq)
+            if verdict is Verdict.HOLE:
+                yield StreamState(PARTIAL, f"batches {expected}..{batch.seq - 1} are lost ({self._replay_note})")
+        if verdict is Verdict.DUPLICATE:
+            self.counters.duplicates += 1
+            return
+        yield self._delivered(batch, verdict)
+
+    async def _shed(self, seconds: float) -> AsyncIterator[StreamState]:
+        """Stop taking the stream for `seconds`: the socket is closed (what it queued is dropped), then opened anew."""
+        self.counters.sheds += 1
+        yield StreamState(SHED, f"over its budget: not read for {seconds:g}s, what it sends meanwhile is lost")
+        await self._reopen(seconds)
+        self._after_shed = True
+
+    async def _reopen(self, after_s: float) -> None:
+        """Close the SUB socket (dropping what it queued), wait `after_s`, and subscribe again."""
+        for sock in (self._monitor, self._sub):
+            sock.close(linger=0)
+        await asyncio.sleep(after_s)
+        if not self._closed:
+            self._sub = await self._subscribe(retry_s=5.0)
+            self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     async def _repair(self, start: int, anchor: tuple[int, float] | None = None) -> AsyncIterator[Batch | StreamState]:
         """What the replay endpoint holds from `start`, in order; `partial` where it does not reach back.
@@ -273,6 +310,7 @@ class EventStream:
         timeout_ms = int(self._replay_timeout_s * 1000)
         dealer = self._dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame + 64)
         try:
             dealer.connect(self.endpoints.replay)
             async with asyncio.timeout(self._replay_timeout_s):
@@ -301,20 +339,12 @@ class EventStream:
     def _decode(self, decode, frames: list[bytes]):
         """What `decode` makes of the frames (None: the replay end marker), or _UNDECODABLE, counted."""
         try:
+            if len(frames) >= 2 and len(frames[-1]) > self._max_frame:
+                self.counters.oversized += 1
+                raise WireError(f"a payload of {len(frames[-1])} bytes, over the {self._max_frame} allowed")
             return decode(frames)
         except WireError as exc:
             self.counters.undecodable += 1
-            level = logging.WARNING if self.counters.undecodable == 1 else logging.DEBUG
-            log.log(level, "kv events from %s: dropped a message that does not decode: %s", self.endpoints.events, exc)
+            self.warn("undecodable", "kv events from %s: dropped a message that does not decode (%d so far): %s",
+                       self.endpoints.events, self.counters.undecodable, exc)
             return _UNDECODABLE
-
-    def _delivered(self, batch: Batch, verdict: Verdict) -> Batch:
-        self.last = (batch.seq, batch.ts)
-        if verdict is Verdict.HOLE:
-            self._complete = False
-        elif self._complete is None:
-            self._complete = True  # the first batch delivered is the one expected: nothing before it is missing
-        self.counters.batches += 1
-        self.counters.events += len(batch.events)
-        self.counters.skipped_events += batch.skipped
-        return batch

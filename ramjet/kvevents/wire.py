@@ -28,6 +28,15 @@ router hashes token ids itself anyway).
 
 Anything malformed raises one `WireError`; unknown event types are skipped and
 counted in `Batch.skipped`, so a newer engine degrades instead of failing.
+
+Decoded in one compiled pass (msgspec, straight into the event types below) when the batch
+is in today's shape: maps tagged by "type", int hashes, no metadata map, no extra keys but
+nils (every SGLang 0.5.20 and vLLM 0.32 batch). Anything else is read again field by field
+(`fields.read_events`), which gives the same values and names what is wrong: the compiled
+pass only ever takes the shapes it decodes exactly as that reader would
+(tests/test_kvevents_decoder.py checks both against the decoder they replaced). The one
+difference: a value under a key nobody reads is skipped unread, so a malformed string
+there (not UTF-8) no longer refuses the batch.
 """
 
 from __future__ import annotations
@@ -36,16 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
-from ramjet.kvevents.fields import (WireError, block_hash, block_hashes, describe, frozen_extra_keys, integer, ints,
-                                    opt_int, opt_number, opt_str)
+from ramjet.kvevents.fields import WireError, describe, integer, opt_int, opt_number, read_events
 
 SEQ_BYTES = 8
 END_OF_REPLAY = -1
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStored"):
     """Blocks now resident on `medium`, chained from `parent_block_hash` (None: a chain's first block)."""
 
     block_hashes: tuple[int, ...]
@@ -54,7 +62,7 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
-    extra_keys: tuple | None = None
+    extra_keys: tuple | None = None  # hashable: nested arrays as tuples, maps as sorted pairs
     cache_salt: str | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -62,8 +70,7 @@ class BlockStored:
     session_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, frozen=True, tag_field="type", tag="BlockRemoved"):
     """Blocks gone from `medium` (None: the engine did not say which tier)."""
 
     block_hashes: tuple[int, ...]
@@ -71,8 +78,7 @@ class BlockRemoved:
     group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag_field="type", tag="AllBlocksCleared"):
     """The engine dropped its whole cache."""
 
 
@@ -183,6 +189,40 @@ def _seq(frame: bytes) -> int:
 
 def decode_payload(payload: bytes, seq: int) -> Batch:
     """A batch payload `[ts, events, rank?]` with its events in either shape (see the module docstring)."""
+    if isinstance(payload, memoryview):
+        payload = payload.tobytes()
+    if isinstance(payload, (bytes, bytearray)) and _METADATA not in payload:
+        try:
+            fast = _DECODE(payload)
+        except msgspec.MsgspecError:  # another shape, or malformed: the field-by-field reader says which
+            fast = None
+        if fast is not None and (_EXTRA_KEYS not in payload or _only_nil_extra_keys(fast.events)):
+            return Batch(seq, fast.ts, fast.events, fast.rank)
+    return _read(payload, seq)
+
+
+class _Payload(msgspec.Struct, array_like=True):
+    """Today's batch as the compiled pass takes it; trailing elements are ignored, as by the reader."""
+
+    ts: float  # an int is taken as a float; a bool is refused
+    events: tuple[BlockStored | BlockRemoved | AllBlocksCleared, ...]
+    rank: int | None = None
+
+
+_DECODE = msgspec.msgpack.Decoder(_Payload).decode
+_METADATA = b"metadata"  # in a key name (SGLang's metadata map, slot 7's name), or by chance: read field by field
+_EXTRA_KEYS = b"extra_keys"
+
+
+def _only_nil_extra_keys(events: tuple) -> bool:
+    """vLLM names extra keys per block, nil without LoRA or multimodal inputs; others are frozen by the reader."""
+    for e in events:
+        if type(e) is BlockStored and e.extra_keys is not None and any(k is not None for k in e.extra_keys):
+            return False
+    return True
+
+
+def _read(payload: bytes, seq: int) -> Batch:
     batch = _unpack(payload)
     if not isinstance(batch, list) or len(batch) < 2:
         raise WireError("a batch payload is a msgpack array [ts, events, rank]")
@@ -192,13 +232,7 @@ def decode_payload(payload: bytes, seq: int) -> Batch:
     if not isinstance(raw_events, list):
         raise WireError(f"a batch's events are an array, got {describe(raw_events)}")
     rank = opt_int(batch[2], "rank") if len(batch) > 2 else None
-    events, skipped = [], 0
-    for raw in raw_events:
-        event = _event(raw)
-        if event is None:
-            skipped += 1
-        else:
-            events.append(event)
+    events, skipped = read_events(raw_events, _KINDS)
     return Batch(seq, float(ts), tuple(events), rank, skipped)
 
 
@@ -211,73 +245,4 @@ def _unpack(payload: bytes) -> Any:
         raise WireError(f"not a msgpack payload ({type(exc).__name__}: {exc})") from None
 
 
-def _event(raw: Any) -> BlockStored | BlockRemoved | AllBlocksCleared | None:
-    """One event in either shape; None for a type this decoder does not know."""
-    if isinstance(raw, dict):
-        kind = raw.get("type")
-    elif isinstance(raw, list) and raw:
-        kind = raw[0]
-    else:
-        raise WireError(f"an event is a map or a tagged array, got {describe(raw)}")
-    if not isinstance(kind, str):
-        raise WireError(f"an event's type tag is a string, got {describe(kind)}")
-    build = _BUILDERS.get(kind)
-    if build is None:
-        return None
-    if isinstance(raw, dict):
-        return build(raw)
-    if len(raw) - 1 < _REQUIRED_POSITIONAL[kind]:
-        raise WireError(f"a {kind} array has at least {_REQUIRED_POSITIONAL[kind]} fields, got {len(raw) - 1}")
-    return build(dict(zip(_POSITIONAL[kind], raw[1:])))
-
-
-def _stored(f: dict) -> BlockStored:
-    for name in ("block_hashes", "parent_block_hash", "token_ids", "block_size"):
-        if name not in f:
-            raise WireError(f"BlockStored lacks {name}")
-    optional = {}
-    if "medium" in f:
-        optional["medium"] = opt_str(f["medium"], "medium")
-    slot7 = f.get("lora_name_or_metadata")
-    if isinstance(slot7, dict):  # SGLang 0.5.18-0.5.19 metadata map
-        f = {**slot7, **f}
-    elif slot7 is not None:
-        f = {**f, "lora_name": slot7}
-    metadata = f.get("metadata")
-    if isinstance(metadata, dict):  # the map form proposed in SGLang PR #37271
-        f = {**metadata, **f}
-    return BlockStored(
-        block_hashes=block_hashes(f["block_hashes"]),
-        parent_block_hash=None if f["parent_block_hash"] is None else block_hash(f["parent_block_hash"]),
-        token_ids=ints(f["token_ids"], "token_ids"),
-        block_size=integer(f["block_size"], "block_size"),
-        lora_id=opt_int(f.get("lora_id"), "lora_id"),
-        extra_keys=frozen_extra_keys(f.get("extra_keys")),
-        cache_salt=opt_str(f.get("cache_salt"), "cache_salt"),
-        group_idx=opt_int(f.get("group_idx"), "group_idx"),
-        kv_cache_spec_kind=opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
-        lora_name=opt_str(f.get("lora_name"), "lora_name"),
-        session_id=opt_str(f.get("session_id"), "session_id"),
-        **optional,
-    )
-
-
-def _removed(f: dict) -> BlockRemoved:
-    if "block_hashes" not in f:
-        raise WireError("BlockRemoved lacks block_hashes")
-    return BlockRemoved(block_hashes(f["block_hashes"]), opt_str(f.get("medium"), "medium"),
-                        opt_int(f.get("group_idx"), "group_idx"))
-
-
-def _cleared(_: dict) -> AllBlocksCleared:
-    return AllBlocksCleared()
-
-
-_BUILDERS = {"BlockStored": _stored, "BlockRemoved": _removed, "AllBlocksCleared": _cleared}
-_POSITIONAL = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name_or_metadata", "extra_keys", "group_idx", "kv_cache_spec_kind"),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
-    "AllBlocksCleared": (),
-}
-_REQUIRED_POSITIONAL = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+_KINDS = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}

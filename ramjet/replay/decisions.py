@@ -45,7 +45,7 @@ def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
             _apply(heapq.heappop(events), held, router)
         decision = router.decide_fingerprint(r.fingerprint, list(held) if loads == "replayed" else r.loads,
                                              r.serving, hint=r.hint)  # ignored unless the router uses hints
-        choice = decision.ranking.order[0]
+        choice = decision.ranking.best
         reservation = [choice, decision.units(choice, router.params)]
         held[choice] += reservation[1]
         choices.append(choice)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import compress
 
 from ramjet.routing.policy import Candidates, Params
 
@@ -82,7 +83,8 @@ def stays_home(home: Home, blocks: list[int], c: Candidates, params: Params) -> 
     if not c.serving[i] or (home.last_end not in blocks and home.first_end not in blocks):
         return False
     mine = c.overlaps[i]
-    others = [k for k in range(len(c.overlaps)) if k != i and c.serving[k]]
-    if mine <= 0 or any(c.overlaps[k] > mine for k in others):
+    others = list(c.serving)[:len(c.overlaps)]  # the routable replicas but home, as flags
+    others[i] = False
+    if mine <= 0 or max(compress(c.overlaps, others), default=mine) > mine:
         return False
-    return not others or c.loads[i] - min(c.loads[k] for k in others) <= home_slack(params)
+    return not any(others) or c.loads[i] - min(compress(c.loads, others)) <= home_slack(params)

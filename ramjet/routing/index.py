@@ -3,13 +3,18 @@
 Per replica, a bounded LRU set of block hashes (written only after the replica
 answered 2xx). Beside it, one global map hash -> bitmask of replicas, so a
 single walk along a request's chain yields every replica's overlap in
-O(matched depth), not O(replicas x blocks).
+O(matched depth), not O(replicas x blocks). Turning the walk's bitmasks back into one
+overlap per replica costs a Python step only for the replicas outside the largest group
+(most of a large fleet holds the same prefix: none of it, or a shared harness).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import chain
+from collections.abc import Iterable
+from itertools import chain, compress, count
+
+_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
 TIP = 0x5A17_7195_C0FF_EE01  # xor-ed into a request's last block hash: "an answered request ended here"
 
@@ -30,28 +35,24 @@ class PrefixIndex:
 
     def overlaps(self, blocks: list[int]) -> list[int]:
         """Number of leading blocks of `blocks` present on each replica."""
-        n = len(self._lru)
-        result = [0] * n
-        alive = (1 << n) - 1
+        return spread(len(self._lru), self.groups(blocks))
+
+    def groups(self, blocks: list[int]) -> list[tuple[int, int]]:
+        """The replicas by how many leading blocks of `blocks` they hold: (depth, bitmask of replicas) for
+        every depth some replica's match ends at, shallowest first; together they are every replica."""
+        alive = (1 << len(self._lru)) - 1
         holders = self._holders
-        depth = 0
+        out: list[tuple[int, int]] = []
         for depth, h in enumerate(blocks):
             still = holders.get(h, 0) & alive
-            dropped = alive & ~still
-            while dropped:
-                low = dropped & -dropped
-                result[low.bit_length() - 1] = depth
-                dropped ^= low
-            alive = still
-            if not alive:
-                return result
-        else:
-            depth = len(blocks)
-        while alive:  # replicas that hold the whole chain
-            low = alive & -alive
-            result[low.bit_length() - 1] = depth
-            alive ^= low
-        return result
+            if still != alive:
+                out.append((depth, alive ^ still))
+                alive = still
+                if not alive:
+                    return out
+        if alive:  # replicas that hold the whole chain
+            out.append((len(blocks), alive))
+        return out
 
     def record(self, replica: int, blocks: list[int], settled: int = -1) -> None:
         """Remember that `replica` now holds `blocks`; evict its least recently used beyond capacity.
@@ -86,8 +87,8 @@ class PrefixIndex:
         depth = max(overlaps, default=0)
         if depth == 0:
             return False
-        deepest = sum(1 << i for i, o in enumerate(overlaps) if o == depth)
-        return bool(self._holders.get(blocks[depth - 1] ^ TIP, 0) & deepest)
+        ended = self._holders.get(blocks[depth - 1] ^ TIP, 0)  # replicas where an answered request ended there
+        return any(overlaps[i] == depth for i in ones(ended))
 
     def clear(self, replica: int) -> None:
         """Forget everything about `replica` (its engine restarted: the cache is gone)."""
@@ -117,3 +118,30 @@ class PrefixIndex:
             self._holders[h] = left
         else:
             self._holders.pop(h, None)
+
+
+def spread(n: int, groups: list[tuple[int, int]]) -> list[int]:
+    """One overlap per replica from `PrefixIndex.groups`: the largest group fills the list at C speed, and only
+    the replicas outside it take a Python step."""
+    if not groups:
+        return [0] * n
+    sizes = [mask.bit_count() for _, mask in groups]
+    big = max(range(len(groups)), key=sizes.__getitem__)
+    result = [groups[big][0]] * n
+    for j, (depth, mask) in enumerate(groups):
+        if j != big:
+            for i in ones(mask):
+                result[i] = depth
+    return result
+
+
+def ones(mask: int) -> Iterable[int]:
+    """The indices of the set bits of `mask` (>= 0), lowest first."""
+    if mask.bit_count() <= 8:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(low.bit_length() - 1)
+            mask ^= low
+        return out
+    return compress(count(), bin(mask)[:1:-1].encode().translate(_DIGITS))

@@ -10,9 +10,13 @@ winner won. docs/architecture.md shows how to add a policy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import mul, sub
 from typing import ClassVar
+
+from ramjet.routing.order import HEAD, Order, Ranking, Rendezvous, mix
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,18 @@ class Candidates:
 
     def peers(self) -> list[float]:
         """Overlaps of the serving replicas (all of them when none serves)."""
-        return [o for o, s in zip(self.overlaps, self.serving) if s] or list(self.overlaps)
+        return list(compress(self.overlaps, self.serving)) or list(self.overlaps)
+
+
+def per_overlap(overlaps: Sequence[float], credit: Callable[[float], float]) -> list[float]:
+    """[credit(o) for o in overlaps], computing credit once per distinct overlap.
+
+    Most replicas of a large fleet hold the same few prefixes (none, or a shared harness), so
+    a policy whose credit depends on a replica's overlap alone pays for the distinct values,
+    not for every replica; the values are exactly those of the plain comprehension.
+    """
+    table = {o: credit(o) for o in set(overlaps)}
+    return list(map(table.__getitem__, overlaps))
 
 
 class Policy:
@@ -59,44 +74,36 @@ class Policy:
         raise NotImplementedError
 
 
-@dataclass(slots=True)
-class Ranking:
-    order: list[int]        # replica indices, best first
-    scores: list[float]     # per replica
-    credits: list[float]    # per replica
-    reason: str             # why the first one won: affinity | load | tiebreak | only_choice | fail_open
-                            # | session (kept home by its session key: routing/homes.py)
-
-
 def rank(policy: Policy, c: Candidates, tiebreak: Sequence[int]) -> Ranking:
-    """Score every replica under `policy` and order them; equals are ordered by `tiebreak` (lowest first)."""
-    n = len(c.overlaps)
-    alpha = policy.params.alpha
-    credit = policy.credits(c)
-    scores = [cr - alpha * load for cr, load in zip(credit, c.loads)]
-    overlap_key = c.overlaps if policy.reads_overlap else [0] * n
-    serving = c.serving
-    order = sorted(range(n), key=lambda i: (not serving[i], -scores[i], -overlap_key[i], tiebreak[i]))
+    """Score every replica under `policy` and order them; equals are ordered by `tiebreak` (lowest first).
+
+    The order is worked out only as far as it is read (routing/order.py): the attempt loop reads its
+    first candidate, the reason the runner-up's score; explain and the replay read it whole.
+    """
+    credit, scores = score(policy, c)
+    order = Order(len(c.overlaps), c.serving, scores, c.overlaps if policy.reads_overlap else None, tiebreak)
     return Ranking(order, scores, credit, _reason(order, scores, c, policy.reads_overlap))
 
 
-def _reason(order: list[int], scores: list[float], c: Candidates, reads_overlap: bool) -> str:
-    best = order[0]
+def score(policy: Policy, c: Candidates) -> tuple[list[float], list[float]]:
+    """(credits, scores): every replica's credit under `policy`, and its score, credit - alpha * load."""
+    credit = policy.credits(c)
+    return credit, list(map(sub, credit, map(mul, repeat(policy.params.alpha), c.loads)))
+
+
+def _reason(order: Order, scores: list[float], c: Candidates, reads_overlap: bool) -> str:
+    best = order.first(HEAD)[0]
     if not c.serving[best]:
         return "fail_open"
-    rivals = [i for i in order[1:] if c.serving[i]]
-    if not rivals:
+    runner = order.runner_up(best)
+    if runner is None:
         return "only_choice"
-    runner = rivals[0]
     overlaps = c.overlaps
-    if scores[best] == scores[runner] and (not reads_overlap or overlaps[best] == overlaps[runner]):
+    if scores[best] == runner[0] and (not reads_overlap or overlaps[best] == runner[1]):
         return "tiebreak"
     if reads_overlap and overlaps[best] > 0 and overlaps[best] == max(c.peers()):
         return "affinity"
     return "load"
-
-
-_MASK = (1 << 64) - 1
 
 
 def rendezvous(key: int, n: int) -> list[int]:
@@ -104,11 +111,6 @@ def rendezvous(key: int, n: int) -> list[int]:
 
     Ties between replicas are broken by these: the same request meets the same order in
     every balancer process (no per-process counter), and different requests spread evenly.
+    `Rendezvous(key, n)` is the same sequence, computed only where it is read.
     """
-    out = []
-    for i in range(n):
-        z = (key + (i + 1) * 0x9E3779B97F4A7C15) & _MASK
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        out.append(z ^ (z >> 31))
-    return out
+    return [mix(key, i) for i in range(n)]

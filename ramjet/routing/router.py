@@ -14,16 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import mul, truediv
 
-from ramjet.routing.demand import Demand
+from ramjet.routing.demand import Demand, shares
 from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.hints import session_hint
 from ramjet.routing.homes import Homes, stays_home
-from ramjet.routing.index import PrefixIndex
+from ramjet.routing.index import PrefixIndex, spread
 from ramjet.routing.policies import NewSessions, make_policy
-from ramjet.routing.policy import Candidates, Params, Policy, Ranking, rank, rendezvous
+from ramjet.routing.policy import Candidates, Params, Policy, Ranking, Rendezvous, rank
 from ramjet.routing.pressure import Pressure
 from ramjet.routing.sessions import SessionKeys
+from ramjet.routing.shortlist import DEFAULT_ABOVE, rank_shortlist, shortlist, value_groups
 from ramjet.routing.units import load_units
 
 
@@ -33,7 +36,7 @@ class Decision:
 
     fingerprint: Fingerprint
     overlaps: list[int]      # leading blocks each replica holds, by the approximate index
-    covered: list[float]     # prompt bytes each replica holds: the engine's report where trusted, else the index's
+    covered: Sequence[float]  # prompt bytes each replica holds: the engine's report where trusted, else the index's
     ranking: Ranking
     new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
     policy: str              # the policy that ranked it
@@ -57,10 +60,14 @@ class Decision:
 
 class Router:
     def __init__(self, policy: str, params: Params, index_capacities: list[int], max_prefix_bytes: int,
-                 balance_new_sessions: bool = False, session_hints: bool = False, hint_salt: bytes = b""):
+                 balance_new_sessions: bool = False, session_hints: bool = False, hint_salt: bytes = b"",
+                 shortlist_above: int = DEFAULT_ABOVE):
         """`session_hints`: use the clients' conversation keys (not with a load-only policy); `hint_salt`
-        keys their hash (the balancer draws one at start; the default is for tests and replays)."""
+        keys their hash (the balancer draws one at start; the default is for tests and replays).
+        `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
+        against a shortlist (routing/shortlist.py)."""
         self.params = params
+        self.shortlist_above = shortlist_above
         self.policy: Policy = make_policy(policy, params)
         self.max_prefix_bytes = max_prefix_bytes
         self.balance_new_sessions = balance_new_sessions and self.policy.reads_overlap
@@ -91,25 +98,44 @@ class Router:
         """`decide` for a request already fingerprinted (the offline replay has fingerprints and hashed keys)."""
         chunk = self.params.chunk_bytes
         n = len(self.index)
-        overlaps = self.index.overlaps(fp.blocks) if self.policy.reads_overlap else [0] * n
-        covered = [fp.covered_bytes(o) for o in overlaps]
+        groups = self.index.groups(fp.blocks) if self.policy.reads_overlap else [(0, (1 << n) - 1)] if n else []
+        overlaps = spread(n, groups)
+        by_depth = {depth: fp.covered_bytes(depth) for depth, _ in groups}  # a few, however many replicas
+        covered: Sequence[float] = _ByDepth(overlaps, by_depth)
         if held is not None and self.policy.reads_overlap:
-            covered = [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
+            covered = list(map(mul, held, repeat(fp.prompt_bytes))) if None not in held else \
+                [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
+            if n > self.shortlist_above:
+                groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
         continued = self.conversations.continued_depth(fp.blocks) if self.balance_new_sessions else 0
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
         new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued)
         policy = self.new_sessions if new_session else self.policy
-        candidates = Candidates([c / chunk for c in covered], loads, serving,
-                                fp.prompt_bytes / chunk, self.demand.shares(serving) if new_session else None)
-        ranking = rank(policy, candidates, rendezvous(fp.blocks[-1] if fp.blocks else 0, n))
+        demand = self.demand.snapshot() if new_session else None
+        key = fp.blocks[-1] if fp.blocks else 0
+
+        def everyone() -> Candidates:
+            return Candidates(list(map(truediv, covered, repeat(chunk))), loads, serving, fp.prompt_bytes / chunk,
+                              None if demand is None else shares(demand, serving))
+
+        if n > self.shortlist_above and groups:
+            picked = shortlist(groups, loads, serving, key, demand)
+            sub = Candidates([covered[i] / chunk for i in picked], [loads[i] for i in picked],
+                             [serving[i] for i in picked], fp.prompt_bytes / chunk,
+                             None if demand is None else shares(demand, serving, picked))
+            ranking = rank_shortlist(policy, picked, sub, key, serving, everyone)
+            # The home rule only compares overlaps, which the index's depths order as their bytes do.
+            candidates = Candidates(overlaps, loads, serving) if held is None else everyone()
+        else:
+            candidates = everyone()
+            ranking = rank(policy, candidates, Rendezvous(key, n))
         if known is None:
             return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint)
         home = known.replica
         pinned = stays_home(known, fp.blocks, candidates, self.params)
         if pinned:
-            ranking = Ranking([home, *(i for i in ranking.order if i != home)], ranking.scores, ranking.credits,
-                              "session")
+            ranking = ranking.pinned(home, "session")
         return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint, home, pinned)
 
     def _new_session(self, blocks: list[int], overlaps: list[int], continued: int) -> bool:
@@ -149,3 +175,31 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
+
+
+class _ByDepth(Sequence[float]):
+    """Prompt bytes each replica holds, by the approximate index: looked up when read (most are never read)."""
+
+    __slots__ = ("overlaps", "by_depth")
+
+    def __init__(self, overlaps: list[int], by_depth: dict[int, float]):
+        self.overlaps, self.by_depth = overlaps, by_depth
+
+    def __len__(self) -> int:
+        return len(self.overlaps)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return list(map(self.by_depth.__getitem__, self.overlaps[i]))
+        return self.by_depth[self.overlaps[i]]
+
+    def __iter__(self):
+        return map(self.by_depth.__getitem__, self.overlaps)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))

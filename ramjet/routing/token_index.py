@@ -10,6 +10,13 @@ at each replica's block size, then walk this index like the approximate one.
 
 A block held only on a host tier (HiCache, CPU offload) counts separately: it
 saves most of a prefill, not all of it (the caller prices it).
+
+What an engine may make it hold is bounded: at most `max_blocks` blocks per replica (a
+store beyond that is refused and the replica marked `full`, for the caller to clear and
+distrust: no engine holds that many), at most MAX_TIERS tier names, and events that do not
+fit (a token id outside 32 bits, a block size that is not a positive integer) are refused,
+never raised. Each block's tiers are a small bitmask, not a set: cheap to apply, and
+nothing for the garbage collector to walk at a hundred engines.
 """
 
 from __future__ import annotations
@@ -17,20 +24,16 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import reduce
-from itertools import repeat
-from operator import and_, or_
-
 import xxhash
 
-from ramjet.routing.token_blocks import chain, chain_seed
+from ramjet.routing.token_blocks import chain, chain_seed, walk
 
 GPU = "GPU"
 HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
+_GPU_BIT, _HOST_BITS = 1, 2 | 4  # tier bits: GPU, CPU, CPU_PINNED first; other names take the next free bit
+MAX_TIERS = 16
 _FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
-RUN = 32  # blocks a walk tries to skip at once
 REMOVALS_KEPT = 200_000  # per replica: the last evictions, for checking predictions made before them
-_ZEROS = repeat(0)
 
 
 @dataclass(slots=True)
@@ -47,10 +50,15 @@ class Held:
 
 
 class TokenIndex:
-    def __init__(self, replicas: int):
+    def __init__(self, replicas: int, max_blocks: int | None = None):
         self._n = replicas
+        self.max_blocks = max_blocks  # per replica; None: no bound
+        self.full = [False] * replicas  # a store was refused at max_blocks (cleared with the replica)
         self._ours: list[dict[int, int]] = [{} for _ in range(replicas)]      # engine hash -> our hash
-        self._media: list[dict[int, set[str]]] = [{} for _ in range(replicas)]  # our hash -> tiers holding it
+        self._media: list[dict[int, int]] = [{} for _ in range(replicas)]  # our hash -> bitmask of tiers holding it
+        self._tier_bit = {GPU: _GPU_BIT, "CPU": 2, "CPU_PINNED": 4}
+        self._tier_names = [GPU, "CPU", "CPU_PINNED"]  # by bit position
+        self._names_of: dict[int, list[str]] = {}  # a tier bitmask -> its sorted names (export)
         self._gpu: dict[int, int] = {}   # our hash -> bitmask of replicas holding it on the GPU
         self._host: dict[int, int] = {}  # our hash -> bitmask of replicas holding it on a host tier
         self.block_size: list[int | None] = [None] * replicas
@@ -77,30 +85,61 @@ class TokenIndex:
     def stored(self, replica: int, block_hashes, parent: int | None, token_ids, block_size: int,
                medium: str | None = GPU, lora_id: int | None = None, cache_salt: str | None = None,
                extra_keys=None, kv_cache_spec_kind: str | None = None) -> bool:
-        """A BlockStored event; False when it cannot be placed (its parent is unknown, or another cache group)."""
+        """A BlockStored event; False when it cannot be placed (its parent is unknown, another cache group, a
+        malformed or unbounded event: see the module docstring)."""
         if kv_cache_spec_kind not in _FULL_ATTENTION or not block_hashes:
             return False
         ours = self._ours[replica]
         if parent is None:
             prev = chain_seed(lora_id, cache_salt)
-        elif parent in ours:
-            prev = ours[parent]
         else:
-            return False  # stored before we listened, or its parent was dropped: cannot be hashed into a chain
-        ids = token_ids if isinstance(token_ids, array) else array("I", token_ids)
-        if len(ids) != block_size * len(block_hashes):
+            prev = ours.get(parent)
+            if prev is None:
+                return False  # stored before we listened, or its parent was dropped: cannot be hashed into a chain
+        n = len(block_hashes)
+        if type(block_size) is not int or block_size < 1 or len(token_ids) != block_size * n:
             return False
-        self.block_size[replica] = block_size
+        name = medium or GPU
+        bit = self._tier_bit.get(name) or self._new_tier(name)
+        if not bit:
+            return False
+        try:
+            ids = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+        except (OverflowError, TypeError):  # not 32-bit token ids: no request can match them anyway
+            return False
         if extra_keys and any(k is not None for k in extra_keys):
             hashes = self._with_extra(ids, block_size, prev, extra_keys)
+        elif n == 1:
+            hashes = (xxhash.xxh3_64_intdigest(ids, prev),)  # one block: its hash is the whole buffer's
         else:
             hashes = chain(ids, block_size, parent=prev)
+        self.block_size[replica] = block_size
+        media, count, pending, cap = self._media[replica], self._count[replica], self._pending_until[replica], \
+            self.max_blocks
+        table = self._gpu if bit == _GPU_BIT else self._host if bit & _HOST_BITS else None
+        mine = 1 << replica
         for theirs, h in zip(block_hashes, hashes):
+            had = media.get(h, 0)
+            if not had & bit:
+                if not had and cap is not None and len(media) >= cap:
+                    self.full[replica] = True
+                    return False
+                media[h] = had | bit
+                count[name] = count.get(name, 0) + 1
+                if table is not None:
+                    table[h] = table.get(h, 0) | mine
             ours[theirs] = h
-            self._add(replica, h, medium or GPU)
-            if h in self._pending_until[replica]:
+            if h in pending:
                 self._unexpect(replica, h)  # reported: no longer a guess
         return True
+
+    def _new_tier(self, name: str) -> int:
+        """The bit of a tier name not seen before; 0 past MAX_TIERS (a stream inventing names is refused)."""
+        if len(self._tier_names) >= MAX_TIERS or not isinstance(name, str):
+            return 0
+        self._tier_bit[name] = bit = 1 << len(self._tier_names)
+        self._tier_names.append(name)
+        return bit
 
     @staticmethod
     def _with_extra(ids: array, block_size: int, prev: int, extra_keys) -> list[int]:
@@ -116,15 +155,16 @@ class TokenIndex:
 
     def removed(self, replica: int, block_hashes, medium: str | None = None) -> None:
         """A BlockRemoved event: gone from `medium` (every tier when the engine does not say)."""
-        ours = self._ours[replica]
+        ours, media = self._ours[replica], self._media[replica]
         for theirs in block_hashes:
             h = ours.get(theirs)
             if h is None:
                 continue
-            media = self._media[replica].get(h, set())
-            for m in ([medium] if medium else list(media)):
-                self._drop(replica, h, m)
-            if h not in self._media[replica]:
+            had = media.get(h, 0)
+            drop = had if not medium else had & self._tier_bit.get(medium, 0)
+            if drop:
+                self._drop(replica, h, had, drop)
+            if h not in media:
                 del ours[theirs]
 
     def removed_since(self, replica: int, hashes: list[int], mark: int) -> bool:
@@ -138,6 +178,7 @@ class TokenIndex:
         self._cleared_at[replica] = self.removals
         self._gone[replica].clear()
         bit = 1 << replica
+        self.full[replica] = False
         for h in self._media[replica]:
             for table in (self._gpu, self._host):
                 left = table.get(h, 0) & ~bit
@@ -156,20 +197,34 @@ class TokenIndex:
         media = self._media[replica]
         return {"block_size": self.block_size[replica], "theirs": list(self._ours[replica]),
                 "ours": list(self._ours[replica].values()), "blocks": list(media),
-                "media": [sorted(m) for m in media.values()]}
+                "media": [self._names(bits) for bits in media.values()]}
+
+    def _names(self, bits: int) -> list[str]:
+        names = self._names_of.get(bits)
+        if names is None:
+            names = self._names_of[bits] = sorted(n for i, n in enumerate(self._tier_names) if bits >> i & 1)
+        return list(names)
 
     def restore(self, replica: int, saved: dict) -> None:
         """Replace what `replica` holds with an `export`; raises ValueError if it is misshapen."""
         try:
             theirs, ours, blocks, media = saved["theirs"], saved["ours"], saved["blocks"], saved["media"]
+            size = saved["block_size"]
             if len(theirs) != len(ours) or len(blocks) != len(media):
                 raise ValueError("parallel lists of different lengths")
+            if size is not None and (type(size) is not int or size < 1):
+                raise ValueError(f"block_size {size!r} is not a positive integer")
+            if not all(type(h) is int for lst in (theirs, ours, blocks) for h in lst):
+                raise ValueError("a block hash that is not an integer")
+            if self.max_blocks is not None and len(blocks) > self.max_blocks:
+                raise ValueError(f"{len(blocks)} blocks, more than the {self.max_blocks} a replica may hold")
             self.clear(replica)
-            self.block_size[replica] = saved["block_size"]
+            self.block_size[replica] = size
             self._ours[replica] = dict(zip(theirs, ours))
             for h, tiers in zip(blocks, media):
                 for medium in tiers:
-                    self._add(replica, h, medium)
+                    if not isinstance(medium, str) or not self._add(replica, h, medium):
+                        raise ValueError(f"a tier that is not a name, or one too many: {medium!r}")
         except (KeyError, TypeError, ValueError) as e:
             self.clear(replica)
             raise ValueError(f"a saved view of replica {replica} that does not fit: {e}") from None
@@ -239,97 +294,52 @@ class TokenIndex:
         return out
 
     def _walk(self, hashes: list[int], size: int, alive: int, out: list[Held]) -> None:
-        """One pass along the chain: where each replica's run ends (held, and held or in flight), and which
-        of its held blocks are on a host tier.
-
-        Runs of RUN blocks that change nothing (every replica still running holds them on its GPU, or has
-        them in flight where it only reaches) are skipped with a few lookups in C; the rest goes block by
-        block. A long warm prompt is mostly such runs.
-        """
-        gpu_of, host_of, pending_of, inflight_of = (self._gpu.get, self._host.get, self._pending.get,
-                                                    self._inflight.get)  # bound once: this loop is the hot path
-        depth_of: dict[int, int] = {}
-        reach_of: dict[int, int] = {}
-        host_blocks: dict[int, int] = {}
-        reach = alive
-        depth = n = len(hashes)
-        d = 0
-        while d < n and reach:
-            start, end = d, min(d + RUN, n)
-            run = hashes[start:end]
-            on_gpu = list(map(or_, map(gpu_of, run, _ZEROS), map(pending_of, run, _ZEROS)))
-            if reduce(and_, on_gpu) & alive == alive and (reach == alive or reduce(
-                    and_, map(or_, map(or_, on_gpu, map(host_of, run, _ZEROS)), map(inflight_of, run, _ZEROS)))
-                    & reach == reach):
-                d = end
-                continue
-            for d in range(start, end):
-                h = hashes[d]
-                on_host = host_of(h, 0)
-                gpu = on_gpu[d - start] & alive
-                host = on_host & alive & ~gpu
-                still = gpu | host
-                reaching = (on_gpu[d - start] | on_host | inflight_of(h, 0)) & reach
-                if still != alive:
-                    _ended_at(alive & ~still, d, depth_of)
-                if reaching != reach:
-                    _ended_at(reach & ~reaching, d, reach_of)
-                while host:  # rare without a host tier
-                    low = host & -host
-                    r = low.bit_length() - 1
-                    host_blocks[r] = host_blocks.get(r, 0) + 1
-                    host ^= low
-                alive, reach = still, reaching
-                if not reach:
-                    depth = d
-                    break
-            d = end
-        _ended_at(alive, depth, depth_of)  # replicas whose run goes to the chain's end
-        _ended_at(reach, depth, reach_of)
-        for r, d in depth_of.items():
-            on_host = host_blocks.get(r, 0)
-            out[r].gpu_tokens += (d - on_host) * size
-            out[r].host_tokens += on_host * size
-        for r, d in reach_of.items():
-            out[r].reach_tokens += d * size
+        walk(hashes, size, alive, out, self._gpu.get, self._host.get, self._pending.get, self._inflight.get)
 
     # --- bookkeeping ---------------------------------------------------------------------
-    def _add(self, replica: int, h: int, medium: str) -> None:
-        media = self._media[replica].setdefault(h, set())
-        if medium not in media:
-            media.add(medium)
+    def _add(self, replica: int, h: int, medium: str) -> bool:
+        bit = self._tier_bit.get(medium) or self._new_tier(medium)
+        if not bit:
+            return False
+        media = self._media[replica]
+        had = media.get(h, 0)
+        if not had & bit:
+            media[h] = had | bit
             self._count[replica][medium] = self._count[replica].get(medium, 0) + 1
-        table = self._gpu if medium == GPU else self._host if medium in HOST_MEDIA else None
+        table = self._gpu if bit == _GPU_BIT else self._host if bit & _HOST_BITS else None
         if table is not None:
             table[h] = table.get(h, 0) | (1 << replica)
+        return True
 
-    def _drop(self, replica: int, h: int, medium: str) -> None:
-        media = self._media[replica].get(h)
-        if not media or medium not in media:
-            return
-        media.discard(medium)
-        self._count[replica][medium] -= 1
-        if not media:
-            del self._media[replica][h]
-        if medium == GPU:
+    def _drop(self, replica: int, h: int, had: int, drop: int) -> None:
+        """Block h leaves the tiers in `drop` (bits it has, `had`)."""
+        media, count, left = self._media[replica], self._count[replica], had & ~drop
+        if left:
+            media[h] = left
+        else:
+            del media[h]
+        names, i, rest = self._tier_names, 0, drop
+        while rest:
+            if rest & 1:
+                count[names[i]] -= 1
+            rest >>= 1
+            i += 1
+        mine = 1 << replica
+        if drop & _GPU_BIT:
             self.removals += 1
             gone = self._gone[replica]
             gone[h] = self.removals
             gone.move_to_end(h)
             if len(gone) > REMOVALS_KEPT:
                 gone.popitem(last=False)
-        if medium == GPU or medium in HOST_MEDIA and not (media & HOST_MEDIA):
-            table = self._gpu if medium == GPU else self._host
-            left = table.get(h, 0) & ~(1 << replica)
-            if left:
-                table[h] = left
-            else:
-                table.pop(h, None)
+            self._unset(self._gpu, h, mine)
+        if drop & _HOST_BITS and not left & _HOST_BITS:
+            self._unset(self._host, h, mine)
 
-
-def _ended_at(replicas: int, depth: int, into: dict[int, int]) -> None:
-    """Record `depth` for each replica in the bitmask."""
-    while replicas:
-        low = replicas & -replicas
-        into[low.bit_length() - 1] = depth
-        replicas ^= low
+    @staticmethod
+    def _unset(table: dict[int, int], h: int, bit: int) -> None:
+        left = table.get(h, 0) & ~bit
+        if left:
+            table[h] = left
+        else:
+            table.pop(h, None)

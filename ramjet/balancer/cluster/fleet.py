@@ -45,7 +45,12 @@ class Fleet:
                  fence_after_failures: int = 3, fence_max_share: float = 0.5):
         self.replicas = replicas
         self.metrics = metrics
-        self._states = [ReplicaState(r, metrics.for_replica(r.labels)) for r in replicas]
+        # Read for every decision, so kept current as they change rather than gathered per request
+        # (at 2,048 replicas a pass over the states cost about 0.1 ms each; a copy of a list, 3 us).
+        self._loads = [0.0] * len(replicas)
+        self._routable = [True] * len(replicas)
+        self._states = [ReplicaState(r, metrics.for_replica(r.labels), loads=self._loads, slot=i)
+                        for i, r in enumerate(replicas)]
         self.liveness_window_s = liveness_window_s
         self.unfence_after = unfence_after
         self.fence_after_failures = fence_after_failures
@@ -57,14 +62,14 @@ class Fleet:
     # --- read views -------------------------------------------------------
     def routable(self) -> list[bool]:
         """Replicas that may take new requests: serving and not drained."""
-        return [s.serving and not s.drained for s in self._states]
+        return self._routable.copy()
 
     def is_routable(self, i: int) -> bool:
         return self._states[i].routable
 
     def loads(self) -> list[float]:
         """Per replica: what this balancer holds there now + the engine's own figure beyond it (RJ_ENGINE_LOAD)."""
-        return [s.load_units + s.external_units for s in self._states]
+        return self._loads.copy()
 
     def drained(self) -> list[int]:
         """The replicas an operator drained."""
@@ -131,12 +136,14 @@ class Fleet:
         if asked is not None:
             in_flight, prefilling = max(in_flight, asked[0]), max(prefilling, asked[1])
         s.external_units = external_units(figure, in_flight, prefilling)
+        s.load_changed()
         s.metrics.engine_load_units.set(s.external_units)
 
     def engine_load_lost(self, i: int) -> None:
         """No usable figure from replica i's engine: route it on this balancer's own counts."""
         s = self._states[i]
         s.external_units = 0.0
+        s.load_changed()
         s.metrics.engine_load_units.set(0.0)
 
     # --- evidence from real requests and probes ----------------------------
@@ -227,6 +234,7 @@ class Fleet:
             return
         s.serving = False
         s.reason = reason
+        self._routable[i] = False
         if any(other.routable for other in self._states):  # somewhere better to go: fail over now
             for wait in s.waiting:  # they sent nothing to their clients yet
                 wait.fenced = True
@@ -242,6 +250,7 @@ class Fleet:
         if s.serving:
             return
         s.serving, s.reason, s.passes = True, "", 0
+        self._routable[i] = not s.drained
         s.strikes.clear()
         s.metrics.up.set(1)
         s.metrics.unfences.inc()
@@ -253,6 +262,7 @@ class Fleet:
         s = self._states[i]
         if s.drained != drained:
             s.drained = drained
+            self._routable[i] = s.serving and not drained
             self._event(s, "drained" if drained else "undrained", "operator")
             log.info("%s upstream %s (node %s, rank %s)", "drained" if drained else "undrained", *s.replica.labels)
 

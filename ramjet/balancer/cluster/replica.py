@@ -38,6 +38,12 @@ class ReplicaState:
     strikes: set = field(default_factory=set)      # ids of distinct requests that failed here in a row
     waiting: set = field(default_factory=set)      # FirstByteWait of requests awaiting a first byte here
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    loads: list = field(default_factory=lambda: [0.0])  # the Fleet's list of every replica's load (Fleet.loads)
+    slot: int = 0                                        # this replica's place in it
+
+    def load_changed(self) -> None:
+        """Keep the Fleet's list of loads current: it is read for every decision, and never summed again."""
+        self.loads[self.slot] = self.load_units + self.external_units
 
     @property
     def routable(self) -> bool:
@@ -130,5 +136,6 @@ def _add(s: ReplicaState, units: float, requests: int, prefilling: int) -> None:
     s.in_flight += requests
     s.prefilling += prefilling
     s.load_units += units
+    s.load_changed()
     s.metrics.in_flight.set(s.in_flight)
     s.metrics.load_units.set(s.load_units)

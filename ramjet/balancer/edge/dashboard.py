@@ -108,7 +108,7 @@ def request_row(b: Balancer, o: Finished) -> dict:
     if c is None:
         return row
     d = c.decision
-    ranking, order = d.ranking, d.ranking.order
+    ranking, order = d.ranking, d.ranking.first(2)
 
     def terms(i: int) -> dict:
         held = c.match.held[i].tokens if c.match is not None else None

@@ -19,7 +19,14 @@ fallback costs nothing but precision:
   nothing, which is known exactly, so it stays trusted;
 - a dropped connection to the publisher (the engine stopped, restarted between
   health probes, or the network failed): what it held is forgotten, by both
-  indexes, and it is not trusted until its next stream proves complete.
+  indexes, and it is not trusted until its next stream proves complete;
+- a stream shed over its budget (precise/intake.py: it sent more than its share of the
+  loop, or than RJ_KV_EVENTS_MAX_RATE), or a view past RJ_KV_EVENTS_MAX_BLOCKS: what the
+  engine reported is forgotten (the approximate index keeps its own) and the replica is
+  trusted again only once its predictions agree, as after a partial stream.
+Every stream change is counted (`ramjet_kv_stream_states_total{kind}`), and logged, at most
+once a minute per replica and kind; what was refused is counted in
+`ramjet_kv_refused_total{reason}` (precise/ingest.py).
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.client import EngineClient
 from ramjet.balancer.engines.upstream import UpstreamFailure
 from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.precise.ingest import SLICE_EVENTS, Ingest
+from ramjet.balancer.precise.intake import Intake
 from ramjet.balancer.precise.matcher import Matcher
 from ramjet.balancer.precise.trust import Trust
 from ramjet.errors import ApiError
 from ramjet.kvevents.discovery import Endpoints, from_operator, from_server_info
+from ramjet.kvevents.sequencing import Ration
 from ramjet.kvevents.subscriber import EventStream, StreamState
-from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from ramjet.kvevents.wire import Batch
 from ramjet.routing.token_index import Held
 
 log = logging.getLogger("ramjet.precise")
@@ -66,6 +76,10 @@ class PreciseSettings:
     replay_endpoint: str | None     # RJ_KV_EVENTS_REPLAY_ENDPOINT
     topic: str                      # RJ_KV_EVENTS_TOPIC: a prefix; "" takes every topic
     silence_s: float                # RJ_KV_EVENTS_SILENCE_MS
+    loop_share: float = 0.25        # RJ_KV_EVENTS_LOOP_SHARE
+    max_rate: int = 20_000          # RJ_KV_EVENTS_MAX_RATE
+    max_frame_bytes: int = 1 << 20  # RJ_KV_EVENTS_MAX_FRAME_BYTES
+    max_queued_bytes: int = 32 << 20  # RJ_KV_EVENTS_MAX_QUEUED_BYTES
 
 
 class PreciseMode:
@@ -85,6 +99,9 @@ class PreciseMode:
         self._streams: list[EventStream | None] = [None] * len(replicas)
         self._resume: list[tuple[str, int, float] | None] = [None] * len(replicas)  # restored: (events, seq, ts)
         self._gauges = [metrics.for_replica(r.labels) for r in replicas]
+        self.intake = Intake(settings.loop_share, settings.max_rate)
+        self.ingest = Ingest(self.index, metrics, [r.labels for r in replicas])
+        self._said: list[dict[str, Ration]] = [{} for _ in replicas]  # log lines per kind, at most one a minute
 
     # --- routing ---------------------------------------------------------------------
     async def match(self, route: str, body: dict) -> Match | None:
@@ -206,40 +223,58 @@ class PreciseMode:
         if saved is not None and saved[0] != endpoints.events:  # another publisher: the saved view is not its
             self.index.clear(i)
             saved = None
-        stream = EventStream(endpoints, resume=saved and (saved[1], saved[2]), silence_s=self.s.silence_s)
+        s = self.s
+        stream = EventStream(endpoints, resume=saved and (saved[1], saved[2]), silence_s=s.silence_s,
+                             max_frame_bytes=s.max_frame_bytes, max_queued_bytes=s.max_queued_bytes,
+                             gate=self.intake.gate())
         self._streams[i] = stream
-        labels = self.replicas[i].labels
         try:
             async for item in stream.items():
                 was = self.trust[i].trusted(time.monotonic())
                 if isinstance(item, StreamState):
-                    self.metrics.kv_stream_states.labels(*labels, item.kind).inc()
-                    if item.kind in ("restart", "disconnected"):  # its caches are gone, or unknown: both indexes
-                        self.fleet.cache_lost(i)  # which calls forget(i) here
-                    self.trust[i].stream(item.kind)
+                    self._stream_changed(i, item)
+                elif len(item.events) > SLICE_EVENTS:
+                    await self.ingest.apply_sliced(i, item)
+                    self._applied(i)
                 else:
                     self._apply(i, item)
-                if stream.complete and not self.trust[i].synced and self.trust[i].reason != "partial":
+                self.ingest.refused(i, stream.counters)
+                if stream.complete and not self.trust[i].synced and not self.trust[i].lost:
                     self.trust[i].synced_from_start()
                 self._mode_changed(i, was)
         finally:
             stream.close()
 
+    def _stream_changed(self, i: int, state: StreamState) -> None:
+        self.metrics.kv_stream_states.labels(*self.replicas[i].labels, state.kind).inc()
+        if state.kind in ("restart", "disconnected"):  # its caches are gone, or unknown: both indexes
+            self.fleet.cache_lost(i)  # which calls forget(i) here
+        elif state.kind == "shed":  # what it reported can no longer be vouched for; the approximate index stays
+            self.forget(i)
+        self.trust[i].stream(state.kind)
+        if state.kind not in ("live", "silent"):
+            self._say(i, state.kind, state.detail)
+
     def _apply(self, i: int, batch: Batch) -> None:
-        m, labels = self.metrics, self.replicas[i].labels
-        m.kv_batches.labels(*labels).inc()
-        m.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
-        for e in batch.events:
-            if isinstance(e, BlockStored):
-                self.index.stored(i, e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
-                                  e.lora_id, e.cache_salt, e.extra_keys, e.kv_cache_spec_kind)
-            elif isinstance(e, BlockRemoved):
-                self.index.removed(i, e.block_hashes, e.medium)
-            elif isinstance(e, AllBlocksCleared):
-                self.index.clear(i)
-            m.kv_events.labels(*labels, type(e).__name__).inc()
+        self.ingest.apply(i, batch)
+        self._applied(i)
+
+    def _applied(self, i: int) -> None:
+        if self.index.full[i]:  # more blocks than any engine holds: a broken or hostile stream
+            self.forget(i)
+            self.ingest.overflowed(i)
+            self.metrics.kv_stream_states.labels(*self.replicas[i].labels, "overflow").inc()
+            self.trust[i].stream("overflow")
+            self._say(i, "overflow", f"it reported more than RJ_KV_EVENTS_MAX_BLOCKS ({self.index.max_blocks}) "
+                                     "blocks; its view is cleared")
+            return
         self.trust[i].batch()
         self._resident_changed(i)
+
+    def _say(self, i: int, kind: str, detail: str) -> None:
+        if self._said[i].setdefault(kind, Ration(1, 60.0)).take(time.monotonic()):
+            level = logging.INFO if kind in ("gap", "restart") else logging.WARNING
+            log.log(level, "upstream %s: kv events %s: %s", self.replicas[i].ordinal, kind, detail)
 
     def _resident_changed(self, i: int) -> None:
         resident = self.index.resident_tokens(i)

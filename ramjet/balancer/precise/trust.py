@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 AGREE_WINDOW = 3      # answers in a row that decide distrust, and trust again
+LOST = {"partial": "partial", "shed": "shedding", "overflow": "overflow"}  # stream kind -> reason: lost batches
 
 
 @dataclass(slots=True)
@@ -29,11 +30,16 @@ class Trust:
             return False
         return self.synced and self.agreeing
 
+    @property
+    def lost(self) -> bool:
+        """Batches were lost for good (partial, shed, overflow): only agreeing predictions bring trust back."""
+        return self.reason in LOST.values()
+
     def stream(self, kind: str) -> None:
         """A StreamState from the subscriber: live | gap | partial | restart | disconnected | silent (an idle
-        engine is silent, which is fine)."""
-        if kind == "partial":
-            self.synced, self.reason = False, "partial"
+        engine is silent, which is fine) | shed; or overflow (the view grew past its bound)."""
+        if kind in LOST:
+            self.synced, self.reason = False, LOST[kind]
         elif kind == "disconnected":
             self.synced, self.reason, self.streak, self.awaited = False, "disconnected", [], None
         elif kind == "restart":

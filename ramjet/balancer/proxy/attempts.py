@@ -4,16 +4,19 @@ Used alike by generation (in ranked order) and passthrough (in rotation). The
 next candidate is the best untried one in the given order, preferring, in turn:
 routable replicas on engines that have not failed this request, routable
 replicas, replicas on engines that have not failed, anything. At most
-RJ_ROUTE_MAX_ATTEMPTS tries.
+RJ_ROUTE_MAX_ATTEMPTS tries. The order is read lazily: a request's Ranking works out
+its order only as far as it is read (routing/order.py), and the first candidate
+usually suffices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 
 class Attempts:
-    def __init__(self, order: list[int], engines: list[str], routable: Callable[[int], bool], max_attempts: int):
+    def __init__(self, order: Iterable[int], engines: list[str], routable: Callable[[int], bool], max_attempts: int):
+        """`order`: best first, iterable more than once (a list, or a request's Ranking)."""
         self.order = order
         self.engines = engines        # engine of each replica
         self.routable = routable      # read live: a replica may be fenced while the request tries others
@@ -34,13 +37,12 @@ class Attempts:
         self.failed_engines.add(self.engines[i])
 
     def next(self) -> int | None:
-        left = [i for i in self.order if i not in self.tried]
-        fresh = self.failed_engines
+        tried, fresh = self.tried, self.failed_engines
         for pick in (lambda i: self.routable(i) and self.engines[i] not in fresh,
                      self.routable,
                      lambda i: self.engines[i] not in fresh,
                      lambda i: True):
-            for i in left:
-                if pick(i):
+            for i in self.order:
+                if i not in tried and pick(i):
                     return i
         return None

@@ -98,7 +98,7 @@ class Forwarder:
 
     async def _forward(self, o: Outcome, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], send,
                        load: RequestLoad | None) -> None:
-        attempts = Attempts(o.choice.decision.ranking.order, self._engines, self.fleet.is_routable,
+        attempts = Attempts(o.choice.decision.ranking, self._engines, self.fleet.is_routable,
                             self.s.max_attempts)
         for i in attempts:
             # A move off a rank fenced while the request waited there adds no work (the rank did none):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from itertools import compress
 
 import orjson
 
@@ -54,7 +55,7 @@ class Outcome:
         if self.choice is None or self.replica is None or not 200 <= self.attempts[-1].get("status", 0) < 300:
             return None
         overlaps = self.choice.decision.overlaps
-        best = max((ov for ov, ok in zip(overlaps, self.choice.routable) if ok), default=0)
+        best = max(compress(overlaps, self.choice.routable), default=0)
         mine = overlaps[self.replica]
         if mine > 0 and mine >= best:
             return True

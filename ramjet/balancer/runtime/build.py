@@ -139,7 +139,8 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
                     load_unit_bytes=s.route_load_unit_bytes, max_load_units=s.route_max_load_units)
     router = Router(s.policy_name, params, [s.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
                     s.route_max_prefix_bytes, balance_new_sessions=s.balance_new_sessions,
-                    session_hints=s.session_hints, hint_salt=os.urandom(16))  # keys hashed, unlinkable across runs
+                    session_hints=s.session_hints, hint_salt=os.urandom(16),  # keys hashed, unlinkable across runs
+                    shortlist_above=s.route_shortlist_above)
     fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
                   s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
@@ -148,9 +149,11 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     journal = Journal(s.journal_target, routing_header(router, s, replicas)) if s.journal_target else None
     precise = None
     if s.kv_events == "zmq":
-        matcher = Matcher(load_tokenizer(s.tokenizer), TokenIndex(len(replicas)), s.kv_host_tier_credit)
+        matcher = Matcher(load_tokenizer(s.tokenizer), TokenIndex(len(replicas), s.kv_events_max_blocks),
+                          s.kv_host_tier_credit)
         precise = PreciseMode(replicas, fleet, metrics, matcher, PreciseSettings(
-            s.kv_events_endpoint, s.kv_events_replay_endpoint, s.kv_events_topic, s.kv_events_silence_s))
+            s.kv_events_endpoint, s.kv_events_replay_endpoint, s.kv_events_topic, s.kv_events_silence_s,
+            s.kv_events_loop_share, s.kv_events_max_rate, s.kv_events_max_frame_bytes, s.kv_events_max_queued_bytes))
     # Attempt listeners, in the order they are told: precise mode's trust, the router's index, fencing.
     learning = Learning(router, metrics, [r.labels for r in replicas])
     listeners = [PreciseTrust(precise)] if precise else []

@@ -25,8 +25,13 @@ restarted engine, or one that cannot confirm it (down, or saying neither), start
 empty; each is logged and counted (`ramjet_state_restores_total{result}`).
 
 The file is msgpack, written beside itself and renamed, so a crash mid-write leaves
-the previous one. A file that cannot be read is logged and set aside: the balancer
-starts empty rather than not at all.
+the previous one. Its body carries an xxh3-128 digest, so a file cut short, corrupted
+on disk or edited by hand is told from a good one before anything in it is used. A file
+that cannot be read, or fails its digest, is logged, counted
+(`ramjet_state_restores_total{result="unreadable"}`) and set aside: the balancer starts
+empty rather than not at all. A replica whose entry does not fit what it must be (a
+digest-less file of an earlier release, edited) is logged, counted (`invalid`) and starts
+empty; the others are restored.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import xxhash
 
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.client import EngineClient, identity_of
@@ -48,7 +54,8 @@ from ramjet.routing.router import Router
 
 log = logging.getLogger("ramjet.memory")
 
-FORMAT = "ramjet-state/1"
+FORMAT = "ramjet-state/2"  # {"format", "saved_at", "digest": xxh3-128 hex of "body", "body": packed replicas}
+EARLIER = "ramjet-state/1"  # the same replicas inline, no digest: still read
 _INT64 = range(-(1 << 63), 1 << 64)  # what msgpack packs as an integer; engines' hashes can be wider
 
 
@@ -123,8 +130,11 @@ class Memory:
     def write(self, snapshot: dict) -> None:
         """Replace the file at once (no reader ever sees half of one)."""
         tmp = self.path.with_name(self.path.name + ".tmp")
+        body = msgpack.packb(snapshot["replicas"])
+        framed = {"format": snapshot["format"], "saved_at": snapshot["saved_at"],
+                  "digest": xxhash.xxh3_128_hexdigest(body), "body": body}
         with open(tmp, "wb") as f:
-            f.write(msgpack.packb(snapshot))
+            f.write(msgpack.packb(framed))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -147,14 +157,12 @@ class Memory:
         index comes back only if its engine is the one that was saved. None: not checked.
         """
         try:
-            data = msgpack.unpackb(self.path.read_bytes(), strict_map_key=False)
+            data = self._read()
         except FileNotFoundError:
             return 0
         except (OSError, ValueError, msgpack.UnpackException) as e:
             log.warning("ignoring the routing state in %s, which cannot be read (%s); starting empty", self.path, e)
-            return 0
-        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("replicas"), dict):
-            log.warning("ignoring %s: not a %s file; starting empty", self.path, FORMAT)
+            self._count("unreadable")
             return 0
         restored = 0
         for i, r in enumerate(self.replicas):
@@ -170,8 +178,11 @@ class Memory:
                 if precise:  # vouched for by the engine's own replay, not by this check (precise.py)
                     view["index"]["theirs"] = [_int(h) for h in view["index"]["theirs"]]
                     self.precise.restore_view(i, view)
-            except (TypeError, ValueError, KeyError) as e:
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
                 self.router.index.clear(i)
+                if self.precise is not None:
+                    self.precise.forget(i)
+                self._count("invalid")
                 log.warning("upstream %s: ignoring its saved state (%s)", r.ordinal, e)
                 continue
             if approximate and engines is not None:
@@ -181,6 +192,20 @@ class Memory:
         log.info("restored the routing state of %d of %d replicas from %s (saved %.0f s ago)",
                  restored, len(self.replicas), self.path, age)
         return restored
+
+    def _read(self) -> dict:
+        """The file's content, checked: ValueError for a file cut short, corrupted, edited or of another kind."""
+        data = msgpack.unpackb(self.path.read_bytes(), strict_map_key=False)
+        if not isinstance(data, dict) or data.get("format") not in (FORMAT, EARLIER):
+            raise ValueError(f"not a {FORMAT} file")
+        if data["format"] == FORMAT:
+            body = data.get("body")
+            if not isinstance(body, bytes) or data.get("digest") != xxhash.xxh3_128_hexdigest(body):
+                raise ValueError("its digest does not match: cut short, corrupted or edited")
+            data["replicas"] = msgpack.unpackb(body, strict_map_key=False)
+        if not isinstance(data.get("replicas"), dict):
+            raise ValueError("it holds no replicas")
+        return data
 
     def _same_engine(self, r: Replica, saved: dict, engines: dict[str, Identity | None]) -> bool:
         """Whether replica r's engine is still the process the file describes; logged and counted when not."""

@@ -6,7 +6,7 @@ of one harness spread by load alone once the harness is everywhere.
 
 from __future__ import annotations
 
-from ramjet.routing.policy import Candidates, Policy
+from ramjet.routing.policy import Candidates, Policy, per_overlap
 
 
 class Absolute(Policy):
@@ -14,4 +14,4 @@ class Absolute(Policy):
 
     def credits(self, c: Candidates) -> list[float]:
         cap = self.params.cap_blocks
-        return [min(o, cap) for o in c.overlaps]
+        return per_overlap(c.overlaps, lambda o: min(o, cap))

@@ -5,7 +5,7 @@ Only what a replica holds beyond the coldest serving replica earns credit.
 
 from __future__ import annotations
 
-from ramjet.routing.policy import Candidates, Policy
+from ramjet.routing.policy import Candidates, Policy, per_overlap
 
 
 class Marginal(Policy):
@@ -14,4 +14,4 @@ class Marginal(Policy):
     def credits(self, c: Candidates) -> list[float]:
         cap = self.params.cap_blocks
         low = min(c.peers())
-        return [min(max(o - low, 0), cap) for o in c.overlaps]
+        return per_overlap(c.overlaps, lambda o: min(max(o - low, 0), cap))

@@ -7,7 +7,7 @@ history decides, and it keeps its rank.
 
 from __future__ import annotations
 
-from ramjet.routing.policy import Candidates, Policy
+from ramjet.routing.policy import Candidates, Policy, per_overlap
 
 
 class Relative(Policy):
@@ -16,4 +16,4 @@ class Relative(Policy):
     def credits(self, c: Candidates) -> list[float]:
         cap = self.params.cap_blocks
         high = max(c.peers())
-        return [cap - min(max(high - o, 0), cap) for o in c.overlaps]
+        return per_overlap(c.overlaps, lambda o: cap - min(max(high - o, 0), cap))

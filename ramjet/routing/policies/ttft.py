@@ -6,7 +6,7 @@ work): an estimate of time to first token, with no cap and no stickiness of its 
 
 from __future__ import annotations
 
-from ramjet.routing.policy import Candidates, Policy
+from ramjet.routing.policy import Candidates, Policy, per_overlap
 
 
 class Ttft(Policy):
@@ -14,4 +14,4 @@ class Ttft(Policy):
 
     def credits(self, c: Candidates) -> list[float]:
         alpha, per_unit, prompt = self.params.alpha, self.params.blocks_per_unit, c.prompt_blocks
-        return [-alpha * max(prompt - o, 0) / per_unit for o in c.overlaps]
+        return per_overlap(c.overlaps, lambda o: -alpha * max(prompt - o, 0) / per_unit)

@@ -1,0 +1,372 @@
+"""Hostile and broken KV event streams (issue 25, Build 5): every case refused, bounded, counted and said.
+
+What an engine (or anything on its event ports) may send: garbage, frames over the limit,
+unknown event types, sequence numbers that jump or go back, batches of 50,000 events, more
+blocks than any engine holds, floods. In each case the stream goes on (or is shed and comes
+back), the replica falls back to approximate routing while its view cannot be vouched for,
+memory stays bounded, and a counter and a log line say what happened. A state file cut
+short, corrupted or edited is in tests/test_memory.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from importlib.resources import files
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from ramjet.balancer.cluster.fleet import Fleet
+from ramjet.balancer.cluster.topology import Replica
+from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.precise import intake as intake_module
+from ramjet.balancer.precise.intake import BACKLOG_S, SHED_MAX_S, SHED_S, Intake
+from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
+from ramjet.balancer.precise.mode import PreciseMode, PreciseSettings
+from ramjet.kvevents.discovery import Endpoints
+from ramjet.kvevents.sequencing import Ration, StreamState
+from ramjet.kvevents.subscriber import EventStream
+from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from ramjet.routing.token_index import MAX_TIERS, TokenIndex
+
+WAIT_S = 5.0
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def stored(h: int, parent: int | None = None, ids=(1, 2, 3, 4), size: int = 4, medium="GPU") -> BlockStored:
+    return BlockStored((h,), parent, tuple(ids), size, None, medium)
+
+
+def mode(replicas: int = 2, max_blocks: int | None = None, **settings) -> PreciseMode:
+    reps = [Replica(i, "http://127.0.0.1:1", i, f"n{i}", "http://127.0.0.1:1") for i in range(replicas)]
+    metrics = Metrics()
+    matcher = Matcher(load_tokenizer(files("ramjet.sim") / "tokenizer"), TokenIndex(replicas, max_blocks), 0.1)
+    return PreciseMode(reps, Fleet(reps, metrics, 30.0, 2), metrics, matcher,
+                       PreciseSettings(None, None, "", 10.0, **settings))
+
+
+def metric(m: PreciseMode, name: str, **labels) -> float:
+    return sum(s.value for f in m.metrics.registry.collect() for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+# ----------------------------------------------------------------------------- the loop's share, and shedding
+
+
+@pytest.mark.unit
+def test_event_work_is_rationed_to_its_share_of_the_loop():
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    gate = intake.gate()
+    assert intake.wait_s() == 0
+    gate.spent(0.2, 100, backlog=True)  # 200 ms of work: far past the bucket (0.25 x 0.2 s)
+    assert intake.wait_s() == pytest.approx((0.2 - 0.05) / 0.25)  # until the share has paid it back
+    clock.t += 0.6
+    assert intake.wait_s() == 0
+    clock.t += 100
+    assert intake.wait_s() == 0 and intake.credit == pytest.approx(0.05)  # an idle spell banks no more than the burst
+
+
+@pytest.mark.unit
+def test_a_stream_that_keeps_more_waiting_than_its_share_is_shed_longer_each_time():
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    flood, quiet = intake.gate(), intake.gate()
+    shed = []
+    for _ in range(3000):  # 5 ms slices, always with more waiting, while the bucket is empty
+        clock.t += 0.01
+        assert quiet.spent(0.0001, 1, backlog=False) is None  # a stream that empties its socket is never blamed
+        if (s := flood.spent(0.005, 50, backlog=True)) is not None:
+            shed.append((round(clock.t - 1000, 2), s))
+            clock.t += s
+    # the bucket (50 ms) lasts 0.2 s at this pace, then BACKLOG_S of rationed backlog
+    assert shed[0][0] == pytest.approx(0.2 + BACKLOG_S, abs=0.05) and shed[0][1] == SHED_S
+    assert [s for _, s in shed[:4]] == [SHED_S, 2 * SHED_S, 4 * SHED_S, 8 * SHED_S]
+    assert max(s for _, s in shed) <= SHED_MAX_S
+    clock.t += intake_module.REPEAT_S + 1  # a minute without a flood: the next shed is short again
+    for _ in range(300):
+        clock.t += 0.01
+        if (s := flood.spent(0.005, 50, backlog=True)) is not None:
+            assert s == SHED_S
+            break
+    else:
+        pytest.fail("never shed again")
+
+
+@pytest.mark.unit
+def test_a_stream_over_its_event_rate_is_shed_though_the_loop_keeps_up():
+    clock = Clock()
+    gate = Intake(1.0, 20_000, clock=clock).gate()
+    for _ in range(9):
+        clock.t += 0.1
+        assert gate.spent(0.0, 2_000, backlog=False) is None  # 20,000 a second: at the limit, not over
+    clock.t += 0.1
+    assert gate.spent(0.0, 2_000, backlog=False) is None
+    clock.t += 0.1
+    assert gate.spent(0.0, 50_000, backlog=False) is None  # one 50,000-event batch: counted over the second
+    clock.t += 0.9
+    assert gate.spent(0.0, 0, backlog=False) == SHED_S
+    assert "events/s" in gate.reason
+
+
+@pytest.mark.unit
+def test_a_ration_gives_a_burst_then_one_per_interval():
+    r = Ration(4, 2.0)
+    assert [r.take(0.0) for _ in range(5)] == [True] * 4 + [False]
+    assert [r.take(1.0), r.take(2.0), r.take(2.1)] == [False, True, False]
+
+
+# ----------------------------------------------------------------------------- events the token index refuses
+
+
+@pytest.mark.unit
+def test_events_that_cannot_be_real_are_refused_never_raised():
+    index = TokenIndex(1)
+    assert not index.stored(0, [1], None, [2**32], 1)  # not a 32-bit token id
+    assert not index.stored(0, [1], None, [-1], 1)
+    assert not index.stored(0, [1], None, [], 0)  # a block of no tokens
+    assert not index.stored(0, [1], None, [1], True)
+    assert not index.stored(0, [1], None, [1, 2], 1)  # more token ids than blocks say
+    for k in range(3, MAX_TIERS):
+        assert index.stored(0, [100 + k], None, [k], 1, medium=f"TIER{k}")
+    assert not index.stored(0, [999], None, [9], 1, medium="ONE_TOO_MANY")  # a stream inventing tier names
+    index.removed(0, [100 + 3], medium="NOT_A_TIER")  # unknown: nothing removed, nothing raised
+    assert index.size(0) == MAX_TIERS - 3
+
+
+@pytest.mark.unit
+def test_a_view_past_its_block_limit_is_cleared_and_the_replica_falls_back(caplog):
+    m = mode(max_blocks=100)
+    m.streaming[0] = m.trust[0].synced = True
+    caplog.set_level(logging.WARNING, "ramjet.precise")
+    m._apply(0, Batch(0, time.time(), tuple(stored(h, ids=(h,), size=1) for h in range(150)), 0))
+    assert m.index.size(0) == 0 and not m.index.full[0]  # cleared, and ready for what comes next
+    assert m.report(0) == {"mode": "approximate", "reason": "overflow", "blocks": 0, "block_size": 1}
+    assert metric(m, "ramjet_kv_refused_total", reason="overflow", upstream="0") == 1
+    assert metric(m, "ramjet_kv_stream_states_total", kind="overflow") == 1
+    assert "RJ_KV_EVENTS_MAX_BLOCKS" in caplog.text
+    m._apply(0, Batch(1, time.time(), (stored(5, ids=(5,), size=1),), 0))
+    assert m.index.size(0) == 1 and m.report(0)["mode"] == "approximate"  # trusted again only by agreeing
+    m.close()
+
+
+@pytest.mark.unit
+def test_a_shed_stream_forgets_its_view_and_is_not_trusted_while_its_stream_looks_complete(caplog):
+    m = mode()
+    m.streaming[0] = m.trust[0].synced = True
+    m._apply(0, Batch(0, time.time(), (stored(1),), 0))
+    assert m.index.size(0) == 1 and m.report(0)["mode"] == "precise"
+    caplog.set_level(logging.WARNING, "ramjet.precise")
+    m._stream_changed(0, StreamState("shed", "over its budget"))
+    assert m.index.size(0) == 0 and m.report(0)["reason"] == "shedding"
+    assert m.trust[0].lost  # `complete` may still be true from before the shed: it must not bring trust back
+    m._stream_changed(0, StreamState("partial", "batches 2..90 were shed"))
+    assert m.report(0)["reason"] == "partial"
+    assert "kv events shed: over its budget" in caplog.text
+    assert metric(m, "ramjet_kv_stream_states_total", kind="shed") == 1
+    m.close()
+
+
+@pytest.mark.unit
+async def test_a_50000_event_batch_is_applied_in_pieces_and_the_loop_keeps_turning():
+    m = mode()
+    events = tuple(stored(h, ids=(h % 1000,), size=1) for h in range(25_000))
+    events += tuple(BlockRemoved((h,), "GPU") for h in range(25_000))
+    ticks, stop = [], asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    await m.ingest.apply_sliced(0, Batch(0, time.time(), events + (AllBlocksCleared(),), 0))
+    stop.set()
+    await task
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    assert len(ticks) >= 50_000 // 4096 and max(gaps) < 0.25, (len(ticks), max(gaps))  # never one long block
+    assert metric(m, "ramjet_kv_events_total", type="BlockStored") == 25_000
+    assert metric(m, "ramjet_kv_events_total", type="AllBlocksCleared") == 1 and m.index.size(0) == 0
+    m.close()
+
+
+# ----------------------------------------------------------------------------- against a hostile publisher
+
+
+class Publisher:
+    """Anything on a rank's event port: an XPUB on 127.0.0.1, and optionally a replay ROUTER that answers nothing
+    useful (an end marker), counting the replays it is asked."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, replay: bool = False):
+        self.pub = ctx.socket(zmq.XPUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = ctx.socket(zmq.ROUTER) if replay else None
+        self.replays = 0
+        self._task = None
+        if replay:
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self._task = asyncio.create_task(self._answer())
+
+    def endpoints(self) -> Endpoints:
+        replay = f"tcp://127.0.0.1:{self.replay_port}" if self.router is not None else None
+        return Endpoints(f"tcp://127.0.0.1:{self.port}", replay, topic=b"kv")
+
+    async def subscribed(self) -> None:
+        while (await asyncio.wait_for(self.pub.recv_multipart(), WAIT_S))[0] != b"\x01kv":
+            pass
+
+    async def send(self, seq: int, payload: bytes) -> None:
+        await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+
+    async def _answer(self) -> None:
+        while True:
+            identity, _, _ = await self.router.recv_multipart()
+            self.replays += 1
+            await self.router.send_multipart([identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for sock in (self.pub, self.router):
+            if sock is not None:
+                sock.close(linger=0)
+
+
+def payload(seq: int, events: list | None = None) -> bytes:
+    return msgpack.packb([1_800_000_000.0 + seq, events if events is not None else [
+        {"type": "BlockStored", "block_hashes": [seq], "parent_block_hash": None, "token_ids": [seq] * 4,
+         "block_size": 4, "medium": "GPU"}], 0])
+
+
+@pytest.fixture
+async def ctx():
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def collect(stream: EventStream, items, until, timeout: float = WAIT_S) -> list:
+    """Items (batch seqs, state kinds) until `until(list)` holds."""
+    out: list = []
+    async with asyncio.timeout(timeout):
+        while not until(out):
+            item = await anext(items)
+            out.append(item.seq if isinstance(item, Batch) else item.kind)
+    return out
+
+
+@pytest.mark.e2e
+async def test_garbage_oversized_frames_and_unknown_types_are_counted_and_the_stream_goes_on(ctx, caplog):
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, max_frame_bytes=64 * 1024, max_queued_bytes=1 << 20)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    caplog.set_level(logging.WARNING, "ramjet.kvevents")
+    await pub.send(0, payload(0))
+    await pub.pub.send_multipart([b"kv", b"\x00"])  # two frames
+    await pub.send(1, b"\xc1 garbage")
+    await pub.send(2, msgpack.packb([1.0, [{"type": "BlockPinned"}, ["Compacted", 1]], 0]))  # unknown types
+    await pub.send(3, b"\x00" * (64 * 1024 + 10))  # past the limit, within ZMQ's slack: refused unread
+    await pub.send(4, payload(4))
+    got = [(await asyncio.wait_for(first, WAIT_S)).kind] + await collect(stream, items, lambda o: 4 in o)
+    assert got == ["live", 0, "gap", "partial", 2, 4] or got == ["live", 0, "gap", "partial", 2, "gap", "partial", 4]
+    c = stream.counters
+    assert (c.undecodable, c.oversized, c.skipped_events) == (3, 1, 2)
+    assert caplog.text.count("does not decode") == 1  # once a minute, not per frame
+    await pub.send(5, b"\x00" * (256 * 1024))  # far past it: ZMQ drops the connection before reading it
+    assert await collect(stream, items, lambda o: "disconnected" in o) == ["disconnected"]
+    reading = asyncio.ensure_future(anext(items))  # libzmq reconnects while the socket's owner reads
+    await pub.subscribed()  # the stream connects again by itself
+    await pub.send(6, payload(6))
+    item = await asyncio.wait_for(reading, WAIT_S)
+    got = [item.seq if isinstance(item, Batch) else item.kind]
+    if got != [6]:
+        got += await collect(stream, items, lambda o: 6 in o)
+    assert got[-1] == 6 and "disconnected" not in got
+    stream.close()
+    pub.close()
+
+
+@pytest.mark.e2e
+async def test_numbers_that_jump_and_go_back_are_gaps_and_restarts_and_replays_are_rationed(ctx):
+    pub = Publisher(ctx, replay=True)
+    stream = EventStream(pub.endpoints(), context=ctx, replay_timeout_s=0.5)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    await asyncio.sleep(0.2)  # the start-up replay
+    seq = 0
+    for _ in range(20):  # every batch skips ten: a gap each time
+        await pub.send(seq, payload(seq))
+        seq += 10
+    await pub.send(3, payload(3))  # and back: a new stream
+    got = [(await asyncio.wait_for(first, WAIT_S)).kind] + await collect(stream, items, lambda o: 3 in o)
+    assert got.count("gap") == 20 and got.count("restart") == 1 and got[-1] == 3  # 3 is a gap in the new stream
+    assert pub.replays <= 4 + 2  # the start-up replay and a few gaps: not one per jump
+    assert stream.counters.gaps == 20 and stream.counters.restarts == 1 and stream.complete is False
+    stream.close()
+    pub.close()
+
+
+class ShedOnce:
+    """A gate that sheds the stream for `seconds` after its first slice."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.slices = seconds, 0
+
+    async def admit(self) -> None:
+        pass
+
+    def spent(self, seconds, events, backlog):
+        self.slices += 1
+        return self.seconds if self.slices == 1 else None
+
+
+@pytest.mark.e2e
+async def test_a_shed_stream_stops_reading_loses_what_came_meanwhile_and_comes_back_partial(ctx):
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, gate=ShedOnce(0.5))
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    await pub.send(0, payload(0))
+    assert [(await asyncio.wait_for(first, WAIT_S)).kind] + await collect(stream, items, lambda o: "shed" in o) == [
+        "live", 0, "shed"]
+    reading = asyncio.ensure_future(anext(items))
+    for seq in range(1, 200):  # nobody takes these
+        await pub.send(seq, payload(seq))
+    await pub.subscribed()  # subscribed again after the shed
+    await pub.send(200, payload(200))
+    got = [(await asyncio.wait_for(reading, WAIT_S)).kind] + await collect(stream, items, lambda o: 200 in o)
+    assert got == ["partial", 200]  # no replay of what was shed
+    assert stream.counters.sheds == 1 and stream.complete is False and stream.counters.batches == 2
+    stream.close()
+    pub.close()
+
+
+@pytest.mark.e2e
+async def test_a_50000_event_batch_within_the_frame_limit_arrives_whole(ctx):
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, max_frame_bytes=4 << 20, max_queued_bytes=8 << 20)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    big = payload(0, [["BlockRemoved", [h]] for h in range(50_000)])
+    await pub.send(0, big)
+    assert (await asyncio.wait_for(first, WAIT_S)).kind == "live"
+    batch = await asyncio.wait_for(anext(items), WAIT_S)
+    assert isinstance(batch, Batch) and len(batch.events) == 50_000
+    stream.close()
+    pub.close()
