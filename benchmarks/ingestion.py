@@ -15,7 +15,8 @@ frames replayed as they were published:
 - `subscriber`: a publisher process sends every replica's frames over ZMQ on 127.0.0.1 to 8
   `EventStream`s followed by precise mode (`PreciseMode._follow`), as the balancer follows them; its
   CPU is this process's (the ZMQ I/O thread included), from the first batch to the last, with
-  RJ_KV_EVENTS_LOOP_SHARE at 1 (what a core can do, not what the balancer rations it to).
+  RJ_KV_EVENTS_LOOP_SHARE at 1 and no RJ_KV_EVENTS_MAX_RATE (what a core can do, not what the balancer
+  rations it to: the replay sends far faster than any engine publishes).
 
 CPU time (process time), not wall time: the machine is shared. Each figure is the median of
 `--repeat` runs with the min-max beside it. Run:
@@ -142,8 +143,8 @@ def precise_mode(loop_share: float = 1.0):
     fleet = Fleet(replicas, metrics, 30.0, 2)
     matcher = Matcher(load_tokenizer(TOKENIZER_DIR), TokenIndex(REPLICAS), 0.1)
     settings = PreciseSettings(None, None, "", 10.0)
-    if "loop_share" in PreciseSettings.__dataclass_fields__:  # the whole core: what it can do, not its ration
-        settings = PreciseSettings(None, None, "", 10.0, loop_share=loop_share)
+    if "loop_share" in PreciseSettings.__dataclass_fields__:  # the whole core, unshed: what it can do, not its ration
+        settings = PreciseSettings(None, None, "", 10.0, loop_share=loop_share, max_rate=1 << 40)
     return PreciseMode(replicas, fleet, metrics, matcher, settings)
 
 

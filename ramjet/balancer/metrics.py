@@ -158,7 +158,8 @@ class Metrics:
                                              "unsupported): it routes on this balancer's own counts meanwhile",
                                              ("reason",), registry=r)
         self.state_restores = Counter("ramjet_state_restores", "Replicas whose saved approximate index was taken "
-                                      "back at start (restored), or not: engine_restarted, unconfirmed",
+                                      "back at start (restored), or not: engine_restarted, unconfirmed, "
+                                      "invalid (its entry), unreadable (the whole file)",
                                       ("result",), registry=r)
         self.loop_lag = Histogram("ramjet_event_loop_lag_seconds",
                                   "How late the balancer's event loop ran a timer (sampled every 0.25 s): "
