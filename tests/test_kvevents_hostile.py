@@ -370,3 +370,60 @@ async def test_a_50000_event_batch_within_the_frame_limit_arrives_whole(ctx):
     assert isinstance(batch, Batch) and len(batch.events) == 50_000
     stream.close()
     pub.close()
+
+
+# ----------------------------------------------------------------------------- a fleet's worth of streams
+
+
+@pytest.mark.e2e
+async def test_four_hundred_streams_in_one_process_all_deliver(ctx):
+    """Past libzmq's default of 1,023 sockets a context (three a stream, four while it asks a replay): the 342nd used to fail."""
+    pub = Publisher(ctx)
+    pub.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first of a topic
+    streams = [EventStream(pub.endpoints()) for _ in range(400)]  # the balancer's own, shared context
+    iters = [s.items() for s in streams]
+    firsts = [asyncio.ensure_future(anext(it)) for it in iters]
+    for _ in streams:
+        await pub.subscribed()
+    await pub.send(0, payload(0))
+    assert {(await asyncio.wait_for(f, WAIT_S)).kind for f in firsts} == {"live"}
+    batches = await asyncio.wait_for(asyncio.gather(*(anext(it) for it in iters)), WAIT_S)
+    assert [b.seq for b in batches] == [0] * 400
+    for s in streams:
+        s.close()
+    pub.close()
+
+
+@pytest.mark.e2e
+async def test_a_stream_that_cannot_open_is_said_and_opened_again_while_the_others_go_on(ctx, caplog, monkeypatch):
+    """Run after the 400 streams above have closed: closing a monitor that libzmq still reported to stalled the
+    shared context's I/O thread, and this stream's listener then never accepted its publisher."""
+    monkeypatch.setattr("ramjet.balancer.precise.mode.RETRY_MIN_S", 0.05)
+    monkeypatch.setattr("ramjet.balancer.precise.mode.RETRY_MAX_S", 0.2)
+    blocker = ctx.socket(zmq.PUB)
+    port = blocker.bind_to_random_port("tcp://127.0.0.1")  # the address the stream must bind is taken
+    caplog.set_level(logging.WARNING, "ramjet.precise")
+    m = mode(replicas=2)
+    m.streaming[1] = True
+    follow = asyncio.ensure_future(m._follow(0, Endpoints(f"tcp://127.0.0.1:{port}", topic=b"kv", bind=True)))
+    async with asyncio.timeout(WAIT_S):
+        while not metric(m, "ramjet_kv_stream_states_total", kind="failed", upstream="0"):
+            await asyncio.sleep(0.01)
+    assert "kv events failed" in caplog.text and "opened again" in caplog.text
+    assert m.report(0) == {"mode": "approximate", "reason": "failed", "blocks": 0, "block_size": None}
+    assert not follow.done()  # it keeps trying: the other replicas' streams are not ended with it
+    blocker.close(linger=0)  # the address is freed: the next try binds it, and a publisher connects
+    pub = None
+    async with asyncio.timeout(3 * WAIT_S):  # libzmq frees the address once its reaper has closed the socket
+        while m.index.size(0) == 0:
+            if pub is not None:  # it may have reached the closing blocker: connect anew
+                pub.close(linger=0)
+            pub = ctx.socket(zmq.PUB)
+            pub.connect(f"tcp://127.0.0.1:{port}")
+            for _ in range(10):
+                await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), payload(0)])
+                await asyncio.sleep(0.05)
+    follow.cancel()
+    pub.close(linger=0)
+    m.close()
+

@@ -134,7 +134,7 @@ class Metrics:
         self.kv_events = Counter("ramjet_kv_events", "KV events received, by type", (*REPLICA_LABELS, "type"),
                                  registry=r)
         self.kv_stream_states = Counter("ramjet_kv_stream_states", "KV event stream changes: live, gap (replayed), "
-                                        "partial, restart, silent, disconnected, shed, overflow",
+                                        "partial, restart, silent, disconnected, shed, overflow, failed",
                                         (*REPLICA_LABELS, "kind"), registry=r)
         self.kv_refused = Counter("ramjet_kv_refused", "What a replica's KV event stream sent that was not applied, by "
                                   "reason: undecodable or oversized messages, events of an unknown type, a stream "

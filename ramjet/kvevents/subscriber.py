@@ -54,6 +54,7 @@ from typing import Self
 import zmq
 import zmq.asyncio
 
+from ramjet.kvevents.context import shared_context
 from ramjet.kvevents.discovery import Endpoints
 from ramjet.kvevents.sequencing import (DISCONNECTED, GAP, LIVE, PARTIAL, RESTART, SHED, SILENT, Gate, Ration,
                                         StreamBook, StreamCounters, StreamState, Verdict)  # StreamCounters: re-exported
@@ -83,7 +84,7 @@ class EventStream(StreamBook):
         self._replays = Ration()
         self._after_shed = False
         self._waited = 0.0  # of the current slice's time, spent waiting on a replay
-        self._ctx = context or zmq.asyncio.Context.instance()
+        self._ctx = context or shared_context()
         self._sub = self._monitor = self._dealer = None  # zmq.asyncio sockets, once open
         self._replay_note, self._replay_answered = "no replay asked yet", False
         self._started = self._closed = False
@@ -102,7 +103,17 @@ class EventStream(StreamBook):
     def close(self) -> None:
         """Release the sockets; a running `items()` ends cleanly. Idempotent."""
         self._closed = True
-        for sock in (self._monitor, self._sub, self._dealer):
+        self._close_sub()
+        if self._dealer is not None and not self._dealer.closed:
+            self._dealer.close(linger=0)
+
+    def _close_sub(self) -> None:
+        """Close the SUB socket and its monitor, the monitor stopped first: libzmq's I/O thread sends the monitor's
+        events with a blocking send, so a monitor closed while still attached can stall every socket of the context."""
+        if self._sub is not None and not self._sub.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
 
@@ -260,8 +271,7 @@ class EventStream(StreamBook):
 
     async def _reopen(self, after_s: float) -> None:
         """Close the SUB socket (dropping what it queued), wait `after_s`, and subscribe again."""
-        for sock in (self._monitor, self._sub):
-            sock.close(linger=0)
+        self._close_sub()
         await asyncio.sleep(after_s)
         if not self._closed:
             self._sub = await self._subscribe(retry_s=5.0)

@@ -33,7 +33,6 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 import zmq
-import zmq.asyncio
 
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
@@ -41,6 +40,7 @@ from ramjet.balancer.engines.client import EngineClient, Figures
 from ramjet.balancer.engines.report import RankFigure, aggregate, from_load_stat
 from ramjet.balancer.engines.upstream import UpstreamFailure
 from ramjet.balancer.metrics import Metrics
+from ramjet.kvevents.context import shared_context
 from ramjet.kvevents.discovery import from_server_info
 from ramjet.kvevents.wire import WireError, decode_load
 
@@ -61,7 +61,7 @@ class EngineLoad:
         self.stale_s = STALE_INTERVALS * max(interval_s, HEARTBEAT_S)
         self.sources: dict[str, str] = {}  # engine -> how its load is read now (for logs and tests)
         self.reports = [0] * len(replicas)  # figures taken, per replica
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = shared_context()
 
     async def run(self) -> None:
         members: dict[str, list[int]] = defaultdict(list)

@@ -36,6 +36,8 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import zmq
+
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.client import EngineClient
@@ -56,6 +58,7 @@ log = logging.getLogger("ramjet.precise")
 
 EXPECT_S = 5.0        # how long a routed request's blocks count as held before the engine reports them
 SWEEP_S = 1.0         # how often expected blocks the engine never reported are dropped
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # a failed stream is opened again after 1 s, doubling to 30 s
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +221,26 @@ class PreciseMode:
         return out
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
+        """Follow replica i's stream until closed. A stream that fails (its socket cannot open: a bad endpoint, the
+        process out of descriptors) is said and forgotten, and opened again after a back-off; meanwhile the replica
+        is routed approximately, and the other replicas' streams go on."""
+        backoff = RETRY_MIN_S
+        while True:
+            try:
+                await self._follow_stream(i, endpoints)
+                return
+            except (ValueError, OSError, zmq.ZMQError) as exc:
+                was = self.trust[i].trusted(time.monotonic())
+                self.forget(i)
+                self.metrics.kv_stream_states.labels(*self.replicas[i].labels, "failed").inc()
+                self.trust[i].stream("failed")
+                self._say(i, "failed", f"the stream from {endpoints.events} failed ({exc}); it is opened again "
+                                       f"in {backoff:g}s")
+                self._mode_changed(i, was)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, RETRY_MAX_S)
+
+    async def _follow_stream(self, i: int, endpoints: Endpoints) -> None:
         self.streaming[i] = True
         saved, self._resume[i] = self._resume[i], None
         if saved is not None and saved[0] != endpoints.events:  # another publisher: the saved view is not its

@@ -37,11 +37,12 @@ class Trust:
 
     def stream(self, kind: str) -> None:
         """A StreamState from the subscriber: live | gap | partial | restart | disconnected | silent (an idle
-        engine is silent, which is fine) | shed; or overflow (the view grew past its bound)."""
+        engine is silent, which is fine) | shed; or overflow (the view grew past its bound), failed (the stream
+        could not open)."""
         if kind in LOST:
             self.synced, self.reason = False, LOST[kind]
-        elif kind == "disconnected":
-            self.synced, self.reason, self.streak, self.awaited = False, "disconnected", [], None
+        elif kind in ("disconnected", "failed"):  # failed: our socket to it could not open
+            self.synced, self.reason, self.streak, self.awaited = False, kind, [], None
         elif kind == "restart":
             self.synced, self.agreeing, self.streak, self.awaited = True, True, [], None
 
