@@ -10,7 +10,8 @@ that into plain values a consumer can trust or knows not to trust:
   operator template or list) -> `Endpoints`; pure;
 - `sequencing`: deliver, drop, repair or restart, from sequence numbers; pure;
 - `subscriber`: `EventStream`, one rank's stream over `zmq.asyncio`, an async
-  iterator of batches and `StreamState` changes.
+  iterator of batches and `StreamState` changes;
+- `sockets`: its sockets, and the one ZMQ context they share, sized for a fleet.
 
 It imports pyzmq and msgpack, and nothing of the rest of ramjet: not the balancer,
 the routing core or the simulator, so any of them may use it.

@@ -54,7 +54,7 @@ from typing import Self
 import zmq
 import zmq.asyncio
 
-from ramjet.kvevents.context import shared_context
+from ramjet.kvevents.sockets import close_sub, open_sub, shared_context
 from ramjet.kvevents.discovery import Endpoints
 from ramjet.kvevents.sequencing import (DISCONNECTED, GAP, LIVE, PARTIAL, RESTART, SHED, SILENT, Gate, Ration,
                                         StreamBook, StreamCounters, StreamState, Verdict)  # StreamCounters: re-exported
@@ -103,19 +103,9 @@ class EventStream(StreamBook):
     def close(self) -> None:
         """Release the sockets; a running `items()` ends cleanly. Idempotent."""
         self._closed = True
-        self._close_sub()
+        close_sub(self._sub, self._monitor)
         if self._dealer is not None and not self._dealer.closed:
             self._dealer.close(linger=0)
-
-    def _close_sub(self) -> None:
-        """Close the SUB socket and its monitor, the monitor stopped first: libzmq's I/O thread sends the monitor's
-        events with a blocking send, so a monitor closed while still attached can stall every socket of the context."""
-        if self._sub is not None and not self._sub.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sub.disable_monitor()
-        for sock in (self._monitor, self._sub):
-            if sock is not None and not sock.closed:
-                sock.close(linger=0)
 
     async def items(self) -> AsyncIterator[Batch | StreamState]:
         """Batches in sequence order, exactly once, with state changes between them; ends at `close()`."""
@@ -143,23 +133,15 @@ class EventStream(StreamBook):
 
     async def _subscribe(self, retry_s: float = 0.0) -> zmq.asyncio.Socket:
         """The SUB socket; `retry_s`: how long to retry a bind (a port we released a moment ago)."""
-        sub = self._ctx.socket(zmq.SUB)
-        sub.linger = 0
-        sub.rcvhwm = self._max_pending
-        sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame + 64)  # the payload's limit, with room for the small frames
-        sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic)
         deadline = time.monotonic() + retry_s
         while True:
             try:
-                (sub.bind if self.endpoints.bind else sub.connect)(self.endpoints.events)
-                return sub
-            except zmq.ZMQError as exc:
+                return open_sub(self._ctx, self.endpoints, self._max_pending, self._max_frame)
+            except ValueError:
                 if time.monotonic() < deadline and not self._closed:
                     await asyncio.sleep(0.05)
                     continue
-                sub.close(linger=0)
-                verb = "bind" if self.endpoints.bind else "connect to"
-                raise ValueError(f"cannot {verb} the event endpoint {self.endpoints.events!r}: {exc}") from None
+                raise
 
     async def _run(self) -> AsyncIterator[Batch | StreamState]:
         seqr = self._sequencer
@@ -271,7 +253,7 @@ class EventStream(StreamBook):
 
     async def _reopen(self, after_s: float) -> None:
         """Close the SUB socket (dropping what it queued), wait `after_s`, and subscribe again."""
-        self._close_sub()
+        close_sub(self._sub, self._monitor)
         await asyncio.sleep(after_s)
         if not self._closed:
             self._sub = await self._subscribe(retry_s=5.0)

@@ -40,7 +40,7 @@ from ramjet.balancer.engines.client import EngineClient, Figures
 from ramjet.balancer.engines.report import RankFigure, aggregate, from_load_stat
 from ramjet.balancer.engines.upstream import UpstreamFailure
 from ramjet.balancer.metrics import Metrics
-from ramjet.kvevents.context import shared_context
+from ramjet.kvevents.sockets import shared_context
 from ramjet.kvevents.discovery import from_server_info
 from ramjet.kvevents.wire import WireError, decode_load
 

@@ -34,21 +34,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import zmq
 
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.client import EngineClient
-from ramjet.balancer.engines.upstream import UpstreamFailure
 from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.precise.discover import discover
 from ramjet.balancer.precise.ingest import SLICE_EVENTS, Ingest
 from ramjet.balancer.precise.intake import Intake
 from ramjet.balancer.precise.matcher import Matcher
 from ramjet.balancer.precise.trust import Trust
 from ramjet.errors import ApiError
-from ramjet.kvevents.discovery import Endpoints, from_operator, from_server_info
+from ramjet.kvevents.discovery import Endpoints
 from ramjet.kvevents.sequencing import Ration
 from ramjet.kvevents.subscriber import EventStream, StreamState
 from ramjet.kvevents.wire import Batch
@@ -183,7 +183,11 @@ class PreciseMode:
     # --- streams ---------------------------------------------------------------------
     async def run(self, client: EngineClient) -> None:
         """Discover every replica's publishers, then follow them all (until cancelled)."""
-        endpoints = await self._discover(client)
+        endpoints = await discover(self.replicas, client, self.matcher, self.s.events_endpoint, self.s.replay_endpoint,
+                                   self.s.topic)
+        for i, e in enumerate(endpoints):
+            if e is None:
+                self.trust[i].reason = "no event publisher"
         for i, e in enumerate(endpoints):  # known before any event arrives, so routed requests count at once
             if e is not None and e.block_size and not self.index.block_size[i]:
                 self.index.block_size[i] = e.block_size
@@ -194,31 +198,6 @@ class PreciseMode:
         while True:
             await asyncio.sleep(SWEEP_S)
             self.index.sweep(time.monotonic())
-
-    async def _discover(self, client: EngineClient) -> list[Endpoints | None]:
-        infos: dict[str, dict | None] = {}
-        out: list[Endpoints | None] = []
-        for i, r in enumerate(self.replicas):
-            rank = r.dp_rank or 0
-            if r.engine not in infos:
-                infos[r.engine] = await _server_info(client, r.engine)
-                if infos[r.engine] is not None:  # an SGLang engine: it joins a message's text parts with spaces
-                    self.matcher.join_text_parts_with(" ")
-            try:
-                if self.s.events_endpoint:
-                    out.append(from_operator(self.s.events_endpoint, r.engine, rank, i, replay=self.s.replay_endpoint,
-                                             topic=self.s.topic))
-                    continue
-                found = from_server_info(infos[r.engine], r.engine, rank) if infos[r.engine] else None
-                if found is not None and self.s.replay_endpoint:
-                    found = replace(found, replay=from_operator(self.s.replay_endpoint, r.engine, rank, i).events)
-                out.append(found)
-            except ValueError as e:
-                log.warning("upstream %s: KV events: %s; it is routed approximately", r.ordinal, e)
-                out.append(None)
-            if out[-1] is None:
-                self.trust[i].reason = "no event publisher"
-        return out
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
         """Follow replica i's stream until closed. A stream that fails (its socket cannot open: a bad endpoint, the
@@ -348,10 +327,3 @@ class PreciseMode:
                 s.close()
         self.matcher.close()
 
-
-async def _server_info(client: EngineClient, engine: str) -> dict | None:
-    """The engine's SGLang server description, which names its publishers; None where it has none (vLLM)."""
-    try:
-        return await client.server_info(engine)
-    except (UpstreamFailure, ValueError):
-        return None
