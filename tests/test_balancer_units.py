@@ -10,7 +10,7 @@ import pytest
 from ramjet.balancer.proxy.attempts import Attempts
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.proxy.request import pin_body
-from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.metrics import Metrics, ReplicaMetrics
 from ramjet.balancer.cluster.prober import judge
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.upstream import Upstream
@@ -205,3 +205,21 @@ async def test_a_fetch_cancelled_as_its_answer_arrives_ends_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await task
 
+
+
+@pytest.mark.unit
+async def test_metrics_are_rendered_off_the_loop_and_concurrent_scrapes_share_one_rendering(monkeypatch):
+    metrics = Metrics()
+    for i in range(800):  # a fleet's page: 800 replicas' series
+        ReplicaMetrics(metrics, (str(i), f"n{i // 8}", str(i % 8))).in_flight.inc()
+    renders = []
+    real = metrics.render
+    monkeypatch.setattr(metrics, "render", lambda: renders.append(1) or real())
+    first = asyncio.ensure_future(metrics.scrape())
+    await asyncio.sleep(0)
+    assert not first.done()  # rendered in a thread: the loop turns meanwhile (on the loop it would be done here)
+    second = asyncio.ensure_future(metrics.scrape())
+    pages = await asyncio.gather(first, second)
+    assert pages[0] == pages[1] and len(renders) == 1
+    assert pages[0].count(b"ramjet_upstream_in_flight{") == 800
+    assert await metrics.scrape() == pages[0] and len(renders) == 2  # the next scrape renders anew

@@ -13,6 +13,8 @@ counters and histograms summed, each gauge as its `multiprocess_mode` says
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -56,6 +58,7 @@ class Metrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         """`multiprocess_dir`: the workers' PROMETHEUS_MULTIPROC_DIR; render() then shows every worker's values."""
         self.multiprocess_dir = multiprocess_dir
+        self._rendering: asyncio.Future[bytes] | None = None
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("ramjet_requests", "Requests answered, by route, status code and upstream",
                                 ("route", "code", "upstream"), registry=r)
@@ -186,6 +189,17 @@ class Metrics:
         self._cached_total += cached
         if self._prompt_total:
             self.cache_ratio.set(self._cached_total / self._prompt_total)
+
+    async def scrape(self) -> bytes:
+        """What /metrics answers, rendered off the event loop: at 800 replicas the page is 1.3 MB, 0.2 s of Python
+        that would hold every request up on the loop; scrapes that arrive meanwhile share the one rendering."""
+        if self._rendering is None:
+            self._rendering = asyncio.ensure_future(asyncio.to_thread(self.render))
+            self._rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(self._rendering)
+
+    def _rendered(self, _done: asyncio.Future) -> None:
+        self._rendering = None
 
     def render(self) -> bytes:
         if self.multiprocess_dir is None:

@@ -76,9 +76,10 @@ class BalancerApp:
             await self.probe(path, send)
             return
         if path == "/metrics":
+            body = await self.balancer.metrics.scrape()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
-            await send({"type": "http.response.body", "body": self.balancer.metrics.render()})
+            await send({"type": "http.response.body", "body": body})
             return
         request_id = f"{self._id_prefix}-{next(self._ids):x}"
         route = GENERATION_ROUTES.get(path)
