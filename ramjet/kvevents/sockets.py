@@ -22,6 +22,7 @@ import zmq.asyncio
 from ramjet.kvevents.discovery import Endpoints
 
 SOCKET_LIMIT = 65_536   # 2,048 replicas x 4 sockets, with room; the descriptor limit binds first (serve.py raises it)
+DESCRIPTORS_PER_STREAM = 6  # its TCP connections (events, replay) and the four sockets' mailboxes
 
 _lock = threading.Lock()
 _shared: zmq.asyncio.Context | None = None

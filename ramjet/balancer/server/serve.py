@@ -45,6 +45,7 @@ from ramjet.balancer.proxy.relay import ResponseAborted
 from ramjet.balancer.runtime.build import Balancer, build_balancer
 from ramjet.balancer.server.shared import SharedDrains, WorkerRole, die_with_supervisor, reuseport_sockets, worker_role
 from ramjet.config import ConfigError, Settings, load_settings
+from ramjet.kvevents.sockets import DESCRIPTORS_PER_STREAM
 
 log = logging.getLogger("ramjet")
 CANCEL_WAIT_S = 5.0  # how long cancelled requests get to abort upstream before the state is saved anyway
@@ -71,7 +72,8 @@ def _not_aborted(record: logging.LogRecord) -> bool:
 
 
 def raise_open_files_limit(wanted: int) -> None:
-    """Let the process hold RJ_CLIENT_MAX_CONNECTIONS client sockets plus their upstream ones."""
+    """Let the process hold RJ_CLIENT_MAX_CONNECTIONS client sockets plus their upstream ones, and every
+    replica's event stream (a fleet of 800 replicas needs about 4,800 descriptors for those alone)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -108,7 +110,7 @@ async def serve(settings: Settings, replicas: list[Replica], role: WorkerRole | 
     if role is not None:
         drains = SharedDrains(role, balancer.fleet)
         drains.apply()  # before it serves: the drains in force when it (re)started
-    raise_open_files_limit(2 * settings.client_max_connections + 1024)
+    raise_open_files_limit(2 * settings.client_max_connections + DESCRIPTORS_PER_STREAM * len(replicas) + 1024)
     limits = ClientLimits(settings.client_max_connections, settings.client_max_headers,
                           settings.client_max_header_bytes, settings.client_max_url_bytes,
                           settings.client_header_timeout_s, settings.client_body_timeout_s,
