@@ -145,6 +145,65 @@ def test_events_that_cannot_be_real_are_refused_never_raised():
     assert index.size(0) == MAX_TIERS - 3
 
 
+def footprint(index: TokenIndex) -> dict[str, int]:
+    """The size of every structure of the index that grows with what is stored or removed (entries, not bytes)."""
+    per_replica = ("_ours", "_media", "_gone", "_pending_until", "_inflight_refs")
+    sizes = {name: sum(len(d) for d in getattr(index, name)) for name in per_replica}
+    sizes.update({name: len(getattr(index, name)) for name in ("_gpu", "_host", "_pending", "_inflight", "_names_of",
+                                                                "_tier_bit", "_tier_names")})
+    return sizes
+
+
+@pytest.mark.unit
+def test_one_block_stored_again_under_ever_new_hashes_leaves_the_index_bounded():
+    """100,000 stores of the same content under fresh engine hashes: one block, but ever more names for it."""
+    index, cap, overflows, largest = TokenIndex(2, max_blocks=1000), 1000, 0, {}
+    for k in range(100_000):
+        if not index.stored(0, [k], None, [1, 2, 3, 4], 4):
+            assert index.full[0]
+            overflows += 1
+            index.clear(0)  # what precise mode does at `full` (test below)
+        if k % 997 == 0:
+            largest = {n: max(v, largest.get(n, 0)) for n, v in footprint(index).items()}
+    assert overflows == 100_000 // (cap + 1)
+    assert max(largest.values()) <= cap, largest
+    for k in range(100_000):  # and fresh contents stored and evicted: the evictions kept are bounded as well
+        assert index.stored(1, [k], None, [k, 1, 2, 3], 4)
+        index.removed(1, [k])
+    assert max(footprint(index).values()) <= cap, footprint(index)
+    assert index.size(1) == 0 and not index.full[1]
+
+
+@pytest.mark.unit
+def test_renamed_stores_past_the_block_limit_are_cleared_counted_and_said(caplog):
+    m = mode(max_blocks=100)
+    m.streaming[0] = True
+    caplog.set_level(logging.WARNING, "ramjet.precise")
+    for seq in range(100):  # 1,000 batches' worth of one block under new names
+        m._apply(0, Batch(seq, time.time(), tuple(stored(seq * 1000 + k) for k in range(1000)), 0))
+        assert max(footprint(m.index).values()) <= 100
+    assert metric(m, "ramjet_kv_refused_total", reason="overflow", upstream="0") == 100
+    assert "RJ_KV_EVENTS_MAX_BLOCKS" in caplog.text
+    m.close()
+
+
+@pytest.mark.unit
+def test_tier_names_over_64_characters_are_refused_by_the_index_and_its_restore():
+    index = TokenIndex(1, max_blocks=10)
+    assert not index.stored(0, [1], None, [1], 1, medium="T" * 65) and index.size(0) == 0
+    assert index.stored(0, [1], None, [1], 1, medium="T" * 64)
+    good = index.export(0)
+    bad = [{**good, "media": [["T" * 65]]}, {**good, "theirs": [2**512]}, {**good, "ours": [-(2**600)]},
+           {**good, "blocks": [2**513]}, {**good, "media": [["GPU"] * 17]},
+           {**good, "theirs": list(range(11)), "ours": [good["ours"][0]] * 11}]  # more engine hashes than blocks
+    for saved in bad:
+        with pytest.raises(ValueError, match="does not fit"):
+            index.restore(0, saved)
+        assert index.size(0) == 0 and len(index._ours[0]) == 0
+    index.restore(0, {**good, "theirs": [2**512 - 1]})  # at the bounds: taken
+    assert index.size(0) == 1 and index.export(0)["theirs"] == [2**512 - 1]
+
+
 @pytest.mark.unit
 def test_a_view_past_its_block_limit_is_cleared_and_the_replica_falls_back(caplog):
     m = mode(max_blocks=100)

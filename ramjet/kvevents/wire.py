@@ -26,8 +26,10 @@ deterministic, so equal engine hashes stay equal and distinct ones distinct (vLL
 int mode keeps only the low 64 bits; the two forms are not meant to be compared, and a
 router hashes token ids itself anyway).
 
-Anything malformed raises one `WireError`; unknown event types are skipped and
-counted in `Batch.skipped`, so a newer engine degrades instead of failing.
+Anything malformed raises one `WireError`, and so does what no engine sends: a block hash
+wider than 512 bits, a tier name over 64 characters, extra keys nested deeper than 32
+levels, or anything nested deeper than the interpreter recurses. Unknown event types are
+skipped and counted in `Batch.skipped`, so a newer engine degrades instead of failing.
 
 Decoded in one compiled pass (msgspec, straight into the event types below) when the batch
 is in today's shape: maps tagged by "type", int hashes, no metadata map, no extra keys but
@@ -42,15 +44,16 @@ there (not UTF-8) no longer refuses the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
 
-from ramjet.kvevents.fields import WireError, describe, integer, opt_int, opt_number, read_events
+from ramjet.kvevents.fields import MAX_TIER_NAME, WireError, describe, integer, opt_int, opt_number, read_events
 
 SEQ_BYTES = 8
 END_OF_REPLAY = -1
+Tier = Annotated[str, msgspec.Meta(max_length=MAX_TIER_NAME)]  # longer: the compiled pass refuses, the reader names it
 
 
 class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStored"):
@@ -61,7 +64,7 @@ class BlockStored(msgspec.Struct, frozen=True, tag_field="type", tag="BlockStore
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
-    medium: str | None = "GPU"
+    medium: Tier | None = "GPU"
     extra_keys: tuple | None = None  # hashable: nested arrays as tuples, maps as sorted pairs
     cache_salt: str | None = None
     group_idx: int | None = None
@@ -74,7 +77,7 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag_field="type", tag="BlockRemo
     """Blocks gone from `medium` (None: the engine did not say which tier)."""
 
     block_hashes: tuple[int, ...]
-    medium: str | None = None
+    medium: Tier | None = None
     group_idx: int | None = None
 
 
@@ -188,7 +191,16 @@ def _seq(frame: bytes) -> int:
 
 
 def decode_payload(payload: bytes, seq: int) -> Batch:
-    """A batch payload `[ts, events, rank?]` with its events in either shape (see the module docstring)."""
+    """A batch payload `[ts, events, rank?]` with its events in either shape (see the module docstring).
+
+    Nesting deeper than the interpreter recurses (in a key nobody reads, or in extra keys) is refused, not raised."""
+    try:
+        return _decode_payload(payload, seq)
+    except RecursionError:
+        raise WireError("a payload nested deeper than it can be read") from None
+
+
+def _decode_payload(payload: bytes, seq: int) -> Batch:
     if isinstance(payload, memoryview):
         payload = payload.tobytes()
     if isinstance(payload, (bytes, bytearray)) and _METADATA not in payload:
