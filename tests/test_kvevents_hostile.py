@@ -79,6 +79,24 @@ def test_event_work_is_rationed_to_its_share_of_the_loop():
 
 
 @pytest.mark.unit
+async def test_streams_waiting_on_one_debt_go_one_at_a_time_each_when_there_is_credit():
+    intake = Intake(1.0, 10**9)
+    intake.credit = -0.03  # 30 ms of event work owed
+    credit_at_admission = []
+
+    async def stream():
+        gate = intake.gate()
+        await gate.admit()
+        intake.refill()
+        credit_at_admission.append(intake.credit)
+        gate.spent(0.03, 10, backlog=True)  # a slice: what the next waiting stream must wait for
+    began = time.monotonic()
+    await asyncio.gather(*(stream() for _ in range(4)))
+    assert len(credit_at_admission) == 4 and min(credit_at_admission) >= 0, credit_at_admission
+    assert time.monotonic() - began >= 4 * 0.03 - 0.01  # the debt and three slices paid back, one after another
+
+
+@pytest.mark.unit
 def test_a_stream_that_keeps_more_waiting_than_its_share_is_shed_longer_each_time():
     clock = Clock()
     intake = Intake(0.25, 10**9, clock=clock)
