@@ -45,8 +45,10 @@ def outcome(decode, payload: bytes):
 
 
 def both(payload: bytes):
+    """Both decoders' outcome, which must agree; and the same in pieces (as big payloads are, in a worker thread)."""
     old, new = outcome(wire._read, payload), outcome(decode_payload, payload)
     assert new == old, (payload, old, new)
+    assert outcome(lambda p, seq: decode_payload(p, seq, pieces=True), payload) == new, payload
     return new
 
 
@@ -197,8 +199,9 @@ def _with_raw_key(raw: bytes) -> bytes:
 @pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
 @pytest.mark.parametrize("open_", [b"\x91", b"\x81\xa1k"])  # lists, maps
 def test_nesting_deeper_than_the_interpreter_recurses_is_refused_not_raised(depth, open_):
-    with pytest.raises(WireError):
-        decode_payload(_with_raw_key(open_ * depth + b"\x01"), 0)
+    for pieces in (False, True):
+        with pytest.raises(WireError):
+            decode_payload(_with_raw_key(open_ * depth + b"\x01"), 0, pieces)
     assert decode_payload(_with_raw_key(open_ * 20 + b"\x01"), 0).events  # shallow: ignored, as before
 
 
@@ -225,3 +228,10 @@ def test_hashes_wider_than_512_bits_and_tier_names_over_64_characters_are_refuse
 def test_hashes_and_tier_names_at_their_bounds_are_taken():
     batch = decode_payload(msgpack.packb([1.0, [_event(block_hashes=[b"\xff" * 64], medium="T" * 64)], 0]), 0)
     assert batch.events[0].block_hashes == (2**512 - 1,) and batch.events[0].medium == "T" * 64
+
+
+def test_a_big_batch_decodes_alike_in_pieces():
+    """More events than a piece, in today's shape and the older one (the field-by-field reader)."""
+    for event in (_event(), ["BlockStored", [1], None, [1, 2], 2], ["BlockRemoved", [b"h" * 32]]):
+        payload = msgpack.packb([1.0, [event] * (3 * wire.PIECE + 7), 0, "later"])
+        assert both(payload) != "refused" and len(decode_payload(payload, 0, pieces=True).events) == 3 * wire.PIECE + 7
