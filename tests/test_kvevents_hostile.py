@@ -195,6 +195,20 @@ def test_one_block_stored_again_under_ever_new_hashes_leaves_the_index_bounded()
 
 
 @pytest.mark.unit
+def test_an_engine_naming_each_block_twice_never_reaches_the_limit_with_the_names_it_dropped():
+    """A block stored on the GPU under one hash and offloaded under another: evicted from both, its GPU name is
+    left behind (it was removed while the block was still held). Left behind names are dropped, not counted."""
+    index = TokenIndex(1, max_blocks=100)
+    for k in range(10_000):
+        assert index.stored(0, [2 * k], None, [k, 1, 2, 3], 4), k
+        assert index.stored(0, [2 * k + 1], None, [k, 1, 2, 3], 4, medium="CPU")
+        index.removed(0, [2 * k], "GPU")
+        index.removed(0, [2 * k + 1], "CPU")
+        assert max(footprint(index).values()) <= 100
+    assert not index.full[0] and index.size(0) == 0
+
+
+@pytest.mark.unit
 def test_renamed_stores_past_the_block_limit_are_cleared_counted_and_said(caplog):
     m = mode(max_blocks=100)
     m.streaming[0] = True

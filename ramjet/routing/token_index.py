@@ -13,7 +13,7 @@ saves most of a prefill, not all of it (the caller prices it).
 
 What an engine may make it hold is bounded: at most `max_blocks` blocks per replica, and as
 many engine hashes (one content stored again and again under new hashes is one block but
-ever more names): a store beyond either is refused and the replica marked `full`, for the
+ever more names; the names of blocks gone are dropped first): a store beyond either is refused and the replica marked `full`, for the
 caller to clear and distrust (no engine holds that many); the evictions kept for checking
 predictions are at most that many too. At most MAX_TIERS tier names, of at most
 MAX_TIER_NAME characters (routing/token_bounds.py, which also holds a restored view to
@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import xxhash
 
-from ramjet.routing.token_blocks import chain, chain_seed, walk
+from ramjet.routing.token_blocks import chain, chain_seed, chain_with_extra, walk
 from ramjet.routing.token_bounds import MAX_TIERS, check_saved, fits_tier
 
 GPU = "GPU"
@@ -112,7 +112,7 @@ class TokenIndex:
         except (OverflowError, TypeError):  # not 32-bit token ids: no request can match them anyway
             return False
         if extra_keys and any(k is not None for k in extra_keys):
-            hashes = self._with_extra(ids, block_size, prev, extra_keys)
+            hashes = chain_with_extra(ids, block_size, prev, extra_keys)
         elif n == 1:
             hashes = (xxhash.xxh3_64_intdigest(ids, prev),)  # one block: its hash is the whole buffer's
         else:
@@ -132,7 +132,8 @@ class TokenIndex:
                 count[name] = count.get(name, 0) + 1
                 if table is not None:
                     table[h] = table.get(h, 0) | mine
-            if cap is not None and len(ours) >= cap and theirs not in ours:  # one content under ever new names
+            if cap is not None and len(ours) >= cap and theirs not in ours and (  # one content under ever new names
+                    self.full[replica] or not self._compact(replica)):
                 self.full[replica] = True
                 return False
             ours[theirs] = h
@@ -148,17 +149,13 @@ class TokenIndex:
         self._tier_names.append(name)
         return bit
 
-    @staticmethod
-    def _with_extra(ids: array, block_size: int, prev: int, extra_keys) -> list[int]:
-        """Block by block, a block's extra keys (e.g. an image's hash) mixed in: a text request never matches it."""
-        out = []
-        for i in range(len(ids) // block_size):
-            prev = chain(ids[i * block_size:(i + 1) * block_size], block_size, parent=prev)[0]
-            extra = extra_keys[i] if i < len(extra_keys) else None
-            if extra is not None:
-                prev = xxhash.xxh3_64_intdigest(repr(extra).encode(), prev)
-            out.append(prev)
-        return out
+    def _compact(self, replica: int) -> bool:
+        """Drop the engine hashes whose block left every tier (an engine that names one block twice leaves the other
+        name behind); True if that made room for a quarter of the bound: a scan costs max_blocks, so it is rare."""
+        ours, media = self._ours[replica], self._media[replica]
+        for theirs in [t for t, h in ours.items() if h not in media]:
+            del ours[theirs]
+        return len(ours) <= self.max_blocks - max(1, self.max_blocks // 4)
 
     def removed(self, replica: int, block_hashes, medium: str | None = None) -> None:
         """A BlockRemoved event: gone from `medium` (every tier when the engine does not say)."""
