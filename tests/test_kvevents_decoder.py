@@ -45,8 +45,10 @@ def outcome(decode, payload: bytes):
 
 
 def both(payload: bytes):
+    """Both decoders' outcome, which must agree; and the same in pieces (as big payloads are, in a worker thread)."""
     old, new = outcome(wire._read, payload), outcome(decode_payload, payload)
     assert new == old, (payload, old, new)
+    assert outcome(lambda p, seq: decode_payload(p, seq, pieces=True), payload) == new, payload
     return new
 
 
@@ -181,3 +183,55 @@ def test_the_recorded_frames_decode_as_before_through_the_compiled_pass():
 def test_a_payload_given_as_a_buffer_decodes_alike():
     payload = msgpack.packb([1.0, [{"type": "AllBlocksCleared"}], 3])
     assert decode_payload(memoryview(payload), 1) == decode_payload(bytearray(payload), 1) == decode_payload(payload, 1)
+
+
+def _event(**fields) -> dict:
+    return {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+            "block_size": 2, **fields}
+
+
+def _with_raw_key(raw: bytes) -> bytes:
+    """A batch of one event with a key nobody reads whose value is `raw` (msgpack the packer would not nest)."""
+    body = msgpack.packb(_event())
+    return b"\x93" + msgpack.packb(1.0) + b"\x91" + bytes([body[0] + 1]) + body[1:] + msgpack.packb("junk") + raw + b"\x00"
+
+
+@pytest.mark.parametrize("depth", [1_000, 5_000, 100_000])
+@pytest.mark.parametrize("open_", [b"\x91", b"\x81\xa1k"])  # lists, maps
+def test_nesting_deeper_than_the_interpreter_recurses_is_refused_not_raised(depth, open_):
+    for pieces in (False, True):
+        with pytest.raises(WireError):
+            decode_payload(_with_raw_key(open_ * depth + b"\x01"), 0, pieces)
+    assert decode_payload(_with_raw_key(open_ * 20 + b"\x01"), 0).events  # shallow: ignored, as before
+
+
+@pytest.mark.parametrize("depth", [33, 500])
+def test_extra_keys_nested_deeper_than_any_engine_sends_are_refused(depth):
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    with pytest.raises(WireError, match="nested deeper"):
+        decode_payload(msgpack.packb([1.0, [_event(extra_keys=[value])], 0]), 0)
+    value = {"mm": [[["h", 1]]]}  # a few levels, as vLLM's multimodal keys: kept
+    assert decode_payload(msgpack.packb([1.0, [_event(extra_keys=[value])], 0]), 0).events[0].extra_keys
+
+
+@pytest.mark.parametrize("event", [
+    _event(block_hashes=[b"h" * 65]), _event(block_hashes=[b"h" * 32], parent_block_hash=b"p" * 65),
+    _event(medium="T" * 65), {"type": "BlockRemoved", "block_hashes": [1], "medium": "T" * 65},
+    ["BlockRemoved", [1], "T" * 65], ["BlockStored", [b"h" * 1000], None, [1, 2], 2],
+])
+def test_hashes_wider_than_512_bits_and_tier_names_over_64_characters_are_refused(event):
+    assert both(msgpack.packb([1.0, [event], 0])) == "refused"
+
+
+def test_hashes_and_tier_names_at_their_bounds_are_taken():
+    batch = decode_payload(msgpack.packb([1.0, [_event(block_hashes=[b"\xff" * 64], medium="T" * 64)], 0]), 0)
+    assert batch.events[0].block_hashes == (2**512 - 1,) and batch.events[0].medium == "T" * 64
+
+
+def test_a_big_batch_decodes_alike_in_pieces():
+    """More events than a piece, in today's shape and the older one (the field-by-field reader)."""
+    for event in (_event(), ["BlockStored", [1], None, [1, 2], 2], ["BlockRemoved", [b"h" * 32]]):
+        payload = msgpack.packb([1.0, [event] * (3 * wire.PIECE + 7), 0, "later"])
+        assert both(payload) != "refused" and len(decode_payload(payload, 0, pieces=True).events) == 3 * wire.PIECE + 7

@@ -11,6 +11,7 @@ short, corrupted or edited is in tests/test_memory.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from importlib.resources import files
@@ -28,7 +29,8 @@ from ramjet.balancer.precise.intake import BACKLOG_S, SHED_MAX_S, SHED_S, Intake
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.balancer.precise.mode import PreciseMode, PreciseSettings
 from ramjet.kvevents.discovery import Endpoints
-from ramjet.kvevents.sequencing import Ration, StreamState
+from ramjet.kvevents import wire
+from ramjet.kvevents.sequencing import Ration, StreamCounters, StreamState
 from ramjet.kvevents.subscriber import EventStream
 from ramjet.kvevents.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 from ramjet.routing.token_index import MAX_TIERS, TokenIndex
@@ -76,6 +78,24 @@ def test_event_work_is_rationed_to_its_share_of_the_loop():
     assert intake.wait_s() == 0
     clock.t += 100
     assert intake.wait_s() == 0 and intake.credit == pytest.approx(0.05)  # an idle spell banks no more than the burst
+
+
+@pytest.mark.unit
+async def test_streams_waiting_on_one_debt_go_one_at_a_time_each_when_there_is_credit():
+    intake = Intake(1.0, 10**9)
+    intake.credit = -0.03  # 30 ms of event work owed
+    credit_at_admission = []
+
+    async def stream():
+        gate = intake.gate()
+        await gate.admit()
+        intake.refill()
+        credit_at_admission.append(intake.credit)
+        gate.spent(0.03, 10, backlog=True)  # a slice: what the next waiting stream must wait for
+    began = time.monotonic()
+    await asyncio.gather(*(stream() for _ in range(4)))
+    assert len(credit_at_admission) == 4 and min(credit_at_admission) >= 0, credit_at_admission
+    assert time.monotonic() - began >= 4 * 0.03 - 0.01  # the debt and three slices paid back, one after another
 
 
 @pytest.mark.unit
@@ -143,6 +163,79 @@ def test_events_that_cannot_be_real_are_refused_never_raised():
     assert not index.stored(0, [999], None, [9], 1, medium="ONE_TOO_MANY")  # a stream inventing tier names
     index.removed(0, [100 + 3], medium="NOT_A_TIER")  # unknown: nothing removed, nothing raised
     assert index.size(0) == MAX_TIERS - 3
+
+
+def footprint(index: TokenIndex) -> dict[str, int]:
+    """The size of every structure of the index that grows with what is stored or removed (entries, not bytes)."""
+    per_replica = ("_ours", "_media", "_gone", "_pending_until", "_inflight_refs")
+    sizes = {name: sum(len(d) for d in getattr(index, name)) for name in per_replica}
+    sizes.update({name: len(getattr(index, name)) for name in ("_gpu", "_host", "_pending", "_inflight", "_names_of",
+                                                                "_tier_bit", "_tier_names")})
+    return sizes
+
+
+@pytest.mark.unit
+def test_one_block_stored_again_under_ever_new_hashes_leaves_the_index_bounded():
+    """100,000 stores of the same content under fresh engine hashes: one block, but ever more names for it."""
+    index, cap, overflows, largest = TokenIndex(2, max_blocks=1000), 1000, 0, {}
+    for k in range(100_000):
+        if not index.stored(0, [k], None, [1, 2, 3, 4], 4):
+            assert index.full[0]
+            overflows += 1
+            index.clear(0)  # what precise mode does at `full` (test below)
+        if k % 997 == 0:
+            largest = {n: max(v, largest.get(n, 0)) for n, v in footprint(index).items()}
+    assert overflows == 100_000 // (cap + 1)
+    assert max(largest.values()) <= cap, largest
+    for k in range(100_000):  # and fresh contents stored and evicted: the evictions kept are bounded as well
+        assert index.stored(1, [k], None, [k, 1, 2, 3], 4)
+        index.removed(1, [k])
+    assert max(footprint(index).values()) <= cap, footprint(index)
+    assert index.size(1) == 0 and not index.full[1]
+
+
+@pytest.mark.unit
+def test_an_engine_naming_each_block_twice_never_reaches_the_limit_with_the_names_it_dropped():
+    """A block stored on the GPU under one hash and offloaded under another: evicted from both, its GPU name is
+    left behind (it was removed while the block was still held). Left behind names are dropped, not counted."""
+    index = TokenIndex(1, max_blocks=100)
+    for k in range(10_000):
+        assert index.stored(0, [2 * k], None, [k, 1, 2, 3], 4), k
+        assert index.stored(0, [2 * k + 1], None, [k, 1, 2, 3], 4, medium="CPU")
+        index.removed(0, [2 * k], "GPU")
+        index.removed(0, [2 * k + 1], "CPU")
+        assert max(footprint(index).values()) <= 100
+    assert not index.full[0] and index.size(0) == 0
+
+
+@pytest.mark.unit
+def test_renamed_stores_past_the_block_limit_are_cleared_counted_and_said(caplog):
+    m = mode(max_blocks=100)
+    m.streaming[0] = True
+    caplog.set_level(logging.WARNING, "ramjet.precise")
+    for seq in range(100):  # 1,000 batches' worth of one block under new names
+        m._apply(0, Batch(seq, time.time(), tuple(stored(seq * 1000 + k) for k in range(1000)), 0))
+        assert max(footprint(m.index).values()) <= 100
+    assert metric(m, "ramjet_kv_refused_total", reason="overflow", upstream="0") == 100
+    assert "RJ_KV_EVENTS_MAX_BLOCKS" in caplog.text
+    m.close()
+
+
+@pytest.mark.unit
+def test_tier_names_over_64_characters_are_refused_by_the_index_and_its_restore():
+    index = TokenIndex(1, max_blocks=10)
+    assert not index.stored(0, [1], None, [1], 1, medium="T" * 65) and index.size(0) == 0
+    assert index.stored(0, [1], None, [1], 1, medium="T" * 64)
+    good = index.export(0)
+    bad = [{**good, "media": [["T" * 65]]}, {**good, "theirs": [2**512]}, {**good, "ours": [-(2**600)]},
+           {**good, "blocks": [2**513]}, {**good, "media": [["GPU"] * 17]},
+           {**good, "theirs": list(range(11)), "ours": [good["ours"][0]] * 11}]  # more engine hashes than blocks
+    for saved in bad:
+        with pytest.raises(ValueError, match="does not fit"):
+            index.restore(0, saved)
+        assert index.size(0) == 0 and len(index._ours[0]) == 0
+    index.restore(0, {**good, "theirs": [2**512 - 1]})  # at the bounds: taken
+    assert index.size(0) == 1 and index.export(0)["theirs"] == [2**512 - 1]
 
 
 @pytest.mark.unit
@@ -370,6 +463,126 @@ async def test_a_50000_event_batch_within_the_frame_limit_arrives_whole(ctx):
     assert isinstance(batch, Batch) and len(batch.events) == 50_000
     stream.close()
     pub.close()
+
+
+@pytest.mark.e2e
+async def test_oversized_frames_are_warned_of_apart_from_undecodable_ones(ctx, caplog):
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, max_frame_bytes=64 * 1024, max_queued_bytes=1 << 20)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    caplog.set_level(logging.WARNING, "ramjet.kvevents")
+    for seq in range(4):  # garbage first: before, the oversized frames' warning was rationed away with it
+        await pub.send(seq, b"\xc1 garbage" if seq % 2 == 0 else b"\x00" * (64 * 1024 + 10))
+    await pub.send(4, payload(4))
+    assert (await asyncio.wait_for(first, WAIT_S)).kind == "live"
+    await collect(stream, items, lambda o: 4 in o)
+    assert (stream.counters.undecodable, stream.counters.oversized) == (4, 2)
+    assert caplog.text.count("does not decode") == 1
+    assert caplog.text.count("over RJ_KV_EVENTS_MAX_FRAME_BYTES (65536; 1 so far)") == 1
+    assert "(65536; 2 so far)" not in caplog.text  # rationed, each kind by itself
+    stream.close()
+    pub.close()
+
+
+@pytest.mark.unit
+def test_a_new_stream_of_a_replica_counts_its_refusals_from_zero():
+    m = mode()
+    m.ingest.refused(0, StreamCounters(undecodable=5))
+    m.ingest.refused(0, StreamCounters(undecodable=2))  # the stream failed and was opened again
+    assert metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="0") == 7
+    m.close()
+
+
+@pytest.mark.e2e
+async def test_a_stream_that_sends_only_garbage_shows_in_the_refused_metric(ctx, monkeypatch):
+    monkeypatch.setattr("ramjet.balancer.precise.mode.SWEEP_S", 0.05)
+    pub = Publisher(ctx)
+    m = mode(replicas=1, max_frame_bytes=64 * 1024)
+    tasks = [asyncio.ensure_future(m._sweep()), asyncio.ensure_future(m._follow(0, pub.endpoints()))]
+    await pub.subscribed()
+    for seq in range(3):  # never one valid batch: the stream delivers nothing to count the refusals after
+        await pub.send(seq, b"\xc1 garbage")
+    await pub.send(3, b"\x00" * (64 * 1024 + 10))
+    async with asyncio.timeout(WAIT_S):
+        while metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="0") < 4:
+            await asyncio.sleep(0.02)
+    assert metric(m, "ramjet_kv_refused_total", reason="oversized", upstream="0") == 1
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    m.close()
+    pub.close()
+
+
+class ShedSaying(ShedOnce):
+    reason = "25,000 events/s, over RJ_KV_EVENTS_MAX_RATE (20,000)"
+
+
+@pytest.mark.e2e
+async def test_a_shed_says_why(ctx):
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, gate=ShedSaying(0.2))
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    await pub.send(0, payload(0))
+    await asyncio.wait_for(first, WAIT_S)
+    async with asyncio.timeout(WAIT_S):
+        while not isinstance(item := await anext(items), StreamState) or item.kind != "shed":
+            pass
+    assert ShedSaying.reason in item.detail and "not read for 0.2s" in item.detail
+    stream.close()
+    pub.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("shape", ["map", "array"])  # today's (the compiled pass) and older (the field reader)
+async def test_a_4mb_batch_is_decoded_off_the_loop_which_keeps_turning(ctx, shape):
+    """With the collector off while it runs: a full collection, which the batch's allocations may set off wherever
+    they are made, pauses every thread alike (docs/configuration.md); not what the worker thread is for."""
+    pub = Publisher(ctx)
+    stream = EventStream(pub.endpoints(), context=ctx, max_frame_bytes=8 << 20, max_queued_bytes=16 << 20)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    events = [{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": list(range(16)),
+               "block_size": 16} if shape == "map" else ["BlockStored", [h], None, list(range(16)), 16]
+              for h in range(40_000 if shape == "map" else 100_000)]
+    big = payload(0, events)
+    assert len(big) > 3_500_000
+    gc.collect()
+    gc.disable()
+    try:
+        began = time.perf_counter()
+        wire.decode_payload(big, 0)
+        alone = time.perf_counter() - began  # what it would hold the loop for
+        longest, ticks = await beats_while_received(pub, big, first, items, len(events))
+    finally:
+        gc.enable()
+    assert longest < alone / 2, (longest, alone, len(ticks))  # decoded on the loop: about `alone`
+    stream.close()
+    pub.close()
+
+
+async def beats_while_received(pub: Publisher, big: bytes, first, items, n: int) -> tuple[float, list[float]]:
+    """The longest pause of a heartbeat task, from before `big` is sent until its batch (of n events) arrives."""
+    ticks, stop = [], asyncio.Event()
+
+    async def heartbeat():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.001)
+    beat = asyncio.create_task(heartbeat())
+    await asyncio.sleep(0.02)
+    await pub.send(0, big)
+    assert (await asyncio.wait_for(first, WAIT_S)).kind == "live"
+    batch = await asyncio.wait_for(anext(items), WAIT_S)
+    stop.set()
+    await beat
+    assert isinstance(batch, Batch) and len(batch.events) == n
+    return max(b - a for a, b in zip(ticks, ticks[1:])), ticks
 
 
 # ----------------------------------------------------------------------------- a fleet's worth of streams

@@ -353,5 +353,7 @@ def test_the_layer_imports_nothing_else_of_ramjet_and_the_pure_parts_no_zmq():
              "print(sorted(m for m in sys.modules if m.startswith('ramjet')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == str(["ramjet", "ramjet.kvevents", "ramjet.kvevents.discovery",
-                                      "ramjet.kvevents.fields", "ramjet.kvevents.sequencing", "ramjet.kvevents.subscriber",
+                                      "ramjet.kvevents.fields", "ramjet.kvevents.reading", "ramjet.kvevents.sequencing",
+                                      "ramjet.kvevents.sockets",
+                                      "ramjet.kvevents.subscriber",
                                       "ramjet.kvevents.wire"])

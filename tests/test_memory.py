@@ -149,6 +149,9 @@ class EngineView:
         self.index.restore(i, view["index"])
         self.resumed[i] = view["stream"]
 
+    def forget(self, i: int) -> None:
+        self.index.clear(i)
+
 
 @pytest.mark.unit
 def test_an_engines_own_view_round_trips_with_hashes_wider_than_64_bits(tmp_path):
@@ -165,6 +168,29 @@ def test_an_engines_own_view_round_trips_with_hashes_wider_than_64_bits(tmp_path
     assert view.index.held(ids) == index.held(ids) and view.index.resident_tokens(1) == index.resident_tokens(1)
     assert view.index.stored(1, [wide(6)], wide(5), ids[24:28], BS)  # later events still chain onto it
     assert view.index.held(ids)[1].gpu_tokens == 28
+
+
+@pytest.mark.unit
+def test_a_saved_engine_view_past_the_event_bounds_is_refused_for_its_replica(tmp_path, caplog):
+    """A state file edited (or written by a broken balancer) to hold what no engine sends: a hash wider than 512
+    bits, a tier name over 64 characters, more engine hashes than RJ_KV_EVENTS_MAX_BLOCKS."""
+    ids = tokens(8)
+    for wide, medium, cap in (((1 << 600) + 1, "GPU", None), (7, "T" * 65, None), (7, "GPU", 1)):
+        index = TokenIndex(2)
+        assert store(index, 1, ids, 0, 2, medium=medium if len(medium) <= 64 else "GPU", engine=lambda b: wide + b)
+        saved = index.export(1)
+        if len(medium) > 64:
+            saved["media"] = [[medium]] * len(saved["media"])
+        holder = EngineView(index, ["tcp://e0:5558", 41, 1.5])
+        holder.export_view = lambda i, saved=saved: {"index": saved, "stream": ["tcp://e0:5558", 41, 1.5]} if i else None
+        before = Memory(tmp_path / "state", 30, replicas(0, 1), router(2), holder)
+        before.write(before.snapshot())
+        view = EngineView(TokenIndex(2, max_blocks=cap))
+        caplog.clear()
+        caplog.set_level(logging.WARNING)
+        Memory(tmp_path / "state", 30, replicas(0, 1), router(2), view).restore()
+        assert view.index.size(1) == 0 and 1 not in view.resumed, (wide, medium, cap)
+        assert "does not fit" in caplog.text
 
 
 # --- an engine restarted while the balancer was down (in process, loopback) -----------------------

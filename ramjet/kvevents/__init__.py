@@ -12,6 +12,8 @@ that into plain values a consumer can trust or knows not to trust:
 - `subscriber`: `EventStream`, one rank's stream over `zmq.asyncio`, an async
   iterator of batches and `StreamState` changes;
 - `sockets`: its sockets, and the one ZMQ context they share, sized for a fleet.
+- `reading`: its messages -> batches, refusals counted and warned of by kind, payloads over
+  256 KiB decoded in a worker thread.
 
 It imports pyzmq and msgpack, and nothing of the rest of ramjet: not the balancer,
 the routing core or the simulator, so any of them may use it.

@@ -14,12 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 
+MAX_HASH_BYTES = 64  # 512 bits: a digest's width at most (vLLM's sha256 mode: 32); routing/token_bounds.py agrees
+MAX_TIER_NAME = 64   # GPU, CPU, CPU_PINNED, a disk tier: a name longer than this is invented
+MAX_DEPTH = 32       # nesting of an extra key's value (vLLM's are a level or two): deeper is refused, not recursed
+
+
 class WireError(ValueError):
     """A frame or payload that is not an engine's KV event format."""
 
 
 def block_hash(value: Any) -> int:
     if isinstance(value, (bytes, bytearray)):
+        if len(value) > MAX_HASH_BYTES:
+            raise WireError(f"a block hash of {len(value)} bytes, wider than {MAX_HASH_BYTES}")
         return int.from_bytes(value, "big")
     if isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -60,6 +67,13 @@ def opt_str(value: Any, name: str) -> str | None:
     raise WireError(f"{name} is a string or nil, got {describe(value)}")
 
 
+def medium(value: Any) -> str | None:
+    """A tier name, or nil; one longer than MAX_TIER_NAME is no engine's."""
+    if value is None or isinstance(value, str) and len(value) <= MAX_TIER_NAME:
+        return value
+    raise WireError(f"medium is a tier name of at most {MAX_TIER_NAME} characters or nil, got {describe(value)}")
+
+
 def frozen_extra_keys(value: Any) -> tuple | None:
     """vLLM's per-block hash inputs beyond tokens (LoRA name, cache salt, multimodal ids), kept hashable."""
     if value is None:
@@ -69,11 +83,13 @@ def frozen_extra_keys(value: Any) -> tuple | None:
     return _freeze(value)
 
 
-def _freeze(value: Any) -> Any:
+def _freeze(value: Any, depth: int = 0) -> Any:
+    if depth > MAX_DEPTH and isinstance(value, (list, dict)):
+        raise WireError(f"extra_keys nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
+        return tuple(_freeze(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return tuple(sorted(((_freeze(k), _freeze(v)) for k, v in value.items()), key=repr))
+        return tuple(sorted(((_freeze(k, depth + 1), _freeze(v, depth + 1)) for k, v in value.items()), key=repr))
     return value
 
 
@@ -123,7 +139,7 @@ def _stored(f: dict, make: type):
             raise WireError(f"BlockStored lacks {name}")
     optional = {}
     if "medium" in f:
-        optional["medium"] = opt_str(f["medium"], "medium")
+        optional["medium"] = medium(f["medium"])
     slot7 = f.get("lora_name_or_metadata")
     if isinstance(slot7, dict):  # SGLang 0.5.18-0.5.19 metadata map
         f = {**slot7, **f}
@@ -151,7 +167,7 @@ def _stored(f: dict, make: type):
 def _removed(f: dict, make: type):
     if "block_hashes" not in f:
         raise WireError("BlockRemoved lacks block_hashes")
-    return make(block_hashes(f["block_hashes"]), opt_str(f.get("medium"), "medium"),
+    return make(block_hashes(f["block_hashes"]), medium(f.get("medium")),
                 opt_int(f.get("group_idx"), "group_idx"))
 
 

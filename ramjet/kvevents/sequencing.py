@@ -56,6 +56,8 @@ class StreamCounters:
 class Gate(Protocol):
     """What the reader asks before each slice, and tells after it (balancer/precise/intake.py)."""
 
+    reason: str  # why it last shed the stream, for the `shed` state's detail
+
     async def admit(self) -> None: ...
 
     def spent(self, seconds: float, events: int, backlog: bool) -> float | None:

@@ -35,10 +35,11 @@ Bounded, whatever the publisher sends: ZMQ refuses a frame over `max_frame_bytes
 (`ZMQ_MAXMSGSIZE`; the connection drops) and queues at most `max_queued_bytes //
 max_frame_bytes` messages (`ZMQ_RCVHWM`; beyond, it drops: a gap); replays are rationed
 (`Ration`: past it a gap is `partial`) and awaited at most `replay_timeout_s` a reply;
-undecodable messages are counted, logged at most once a minute, skipped. The socket is read
+undecodable messages are counted, logged at most once a minute, skipped; payloads over 256 KiB
+are decoded in a worker thread (reading.py). The socket is read
 in slices (SLICE messages, SLICE_S); a `gate` is awaited before each and told its cost, and
 may shed the stream: its socket closed for a while (the publisher drops what it sends),
-`shed` said, the next batch `partial` (no replay: what was shed stays lost).
+`shed` said with the gate's `reason`, the next batch `partial` (no replay: what was shed stays lost).
 Read the stream continuously from one task: libzmq attaches a reconnected publisher,
 and resends the subscription to it, only while the socket's owner reads.
 """
@@ -56,11 +57,11 @@ import zmq.asyncio
 
 from ramjet.kvevents.sockets import close_sub, open_sub, shared_context
 from ramjet.kvevents.discovery import Endpoints
+from ramjet.kvevents.reading import UNDECODABLE, decode_counted
 from ramjet.kvevents.sequencing import (DISCONNECTED, GAP, LIVE, PARTIAL, RESTART, SHED, SILENT, Gate, Ration,
                                         StreamBook, StreamCounters, StreamState, Verdict)  # StreamCounters: re-exported
-from ramjet.kvevents.wire import Batch, WireError, decode_live, decode_replay
+from ramjet.kvevents.wire import Batch, decode_live, decode_replay
 
-_UNDECODABLE = object()
 SLICE, SLICE_S = 64, 0.005  # messages read, and time spent, before the loop gets a turn
 
 
@@ -183,8 +184,10 @@ class EventStream(StreamBook):
                     except zmq.Again:
                         break
                     read += 1
-                    batch = self._decode(decode_live, frames)
-                    if batch is _UNDECODABLE:
+                    batch, waited = await decode_counted(self, decode_live, frames, self._max_frame,
+                                                         self.endpoints.events)
+                    self._waited += waited  # on a worker thread's decoding, beyond its own work
+                    if batch is UNDECODABLE:
                         continue
                     if silent or not announced:
                         silent, announced = False, True
@@ -247,7 +250,8 @@ class EventStream(StreamBook):
     async def _shed(self, seconds: float) -> AsyncIterator[StreamState]:
         """Stop taking the stream for `seconds`: the socket is closed (what it queued is dropped), then opened anew."""
         self.counters.sheds += 1
-        yield StreamState(SHED, f"over its budget: not read for {seconds:g}s, what it sends meanwhile is lost")
+        why = getattr(self._gate, "reason", "") or "its gate said so"
+        yield StreamState(SHED, f"over its budget ({why}): not read for {seconds:g}s, what it sends meanwhile is lost")
         await self._reopen(seconds)
         self._after_shed = True
 
@@ -312,12 +316,12 @@ class EventStream(StreamBook):
                     self.counters.replay_timeouts += 1
                     self._replay_note = f"the replay endpoint did not answer within {self._replay_timeout_s:g}s"
                     return
-                batch = self._decode(decode_replay, await dealer.recv_multipart())
+                batch = await self._decode(decode_replay, await dealer.recv_multipart())
                 if batch is None:
                     self._replay_note = "the replay buffer does not reach back that far"
                     self._replay_answered = True
                     return
-                if batch is not _UNDECODABLE:
+                if batch is not UNDECODABLE:
                     yield batch
         except (TimeoutError, zmq.ZMQError) as exc:
             if self._closed:
@@ -328,15 +332,6 @@ class EventStream(StreamBook):
             dealer.close(linger=0)
             self._dealer = None
 
-    def _decode(self, decode, frames: list[bytes]):
-        """What `decode` makes of the frames (None: the replay end marker), or _UNDECODABLE, counted."""
-        try:
-            if len(frames) >= 2 and len(frames[-1]) > self._max_frame:
-                self.counters.oversized += 1
-                raise WireError(f"a payload of {len(frames[-1])} bytes, over the {self._max_frame} allowed")
-            return decode(frames)
-        except WireError as exc:
-            self.counters.undecodable += 1
-            self.warn("undecodable", "kv events from %s: dropped a message that does not decode (%d so far): %s",
-                       self.endpoints.events, self.counters.undecodable, exc)
-            return _UNDECODABLE
+    async def _decode(self, decode, frames: list[bytes]):
+        """A replay reply (None: the end marker), or UNDECODABLE, counted (reading.py); the time is the repair's."""
+        return (await decode_counted(self, decode, frames, self._max_frame, self.endpoints.events))[0]

@@ -2,7 +2,8 @@
 
 How precise mode names what an engine holds (routing/token_index.py) and what a request
 needs (balancer/precise/matcher.py), whatever hashes the engine itself uses; and the walk of
-a request's chain through the index's tables (`walk`).
+a request's chain through the index's tables (`walk`); a chain with per-block extra keys mixed in
+(`chain_with_extra`).
 """
 
 from __future__ import annotations
@@ -98,3 +99,15 @@ def _ended_at(replicas: int, depth: int, into: dict[int, int]) -> None:
         low = replicas & -replicas
         into[low.bit_length() - 1] = depth
         replicas ^= low
+
+
+def chain_with_extra(ids: array, block_size: int, prev: int, extra_keys) -> list[int]:
+    """Block by block, a block's extra keys (e.g. an image's hash) mixed in: a text request never matches it."""
+    out = []
+    for i in range(len(ids) // block_size):
+        prev = chain(ids[i * block_size:(i + 1) * block_size], block_size, parent=prev)[0]
+        extra = extra_keys[i] if i < len(extra_keys) else None
+        if extra is not None:
+            prev = xxhash.xxh3_64_intdigest(repr(extra).encode(), prev)
+        out.append(prev)
+    return out

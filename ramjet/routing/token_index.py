@@ -11,11 +11,14 @@ at each replica's block size, then walk this index like the approximate one.
 A block held only on a host tier (HiCache, CPU offload) counts separately: it
 saves most of a prefill, not all of it (the caller prices it).
 
-What an engine may make it hold is bounded: at most `max_blocks` blocks per replica (a
-store beyond that is refused and the replica marked `full`, for the caller to clear and
-distrust: no engine holds that many), at most MAX_TIERS tier names, and events that do not
-fit (a token id outside 32 bits, a block size that is not a positive integer) are refused,
-never raised. Each block's tiers are a small bitmask, not a set: cheap to apply, and
+What an engine may make it hold is bounded: at most `max_blocks` blocks per replica, and as
+many engine hashes (one content stored again and again under new hashes is one block but
+ever more names; the names of blocks gone are dropped first): a store beyond either is refused and the replica marked `full`, for the
+caller to clear and distrust (no engine holds that many); the evictions kept for checking
+predictions are at most that many too. At most MAX_TIERS tier names, of at most
+MAX_TIER_NAME characters (routing/token_bounds.py, which also holds a restored view to
+these bounds); events that do not fit (a token id outside 32 bits, a block size that is
+not a positive integer) are refused, never raised. Each block's tiers are a small bitmask, not a set: cheap to apply, and
 nothing for the garbage collector to walk at a hundred engines.
 """
 
@@ -26,12 +29,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import xxhash
 
-from ramjet.routing.token_blocks import chain, chain_seed, walk
+from ramjet.routing.token_blocks import chain, chain_seed, chain_with_extra, walk
+from ramjet.routing.token_bounds import MAX_TIERS, check_saved, fits_tier
 
 GPU = "GPU"
 HOST_MEDIA = frozenset({"CPU", "CPU_PINNED"})  # vLLM's and SGLang's names for host memory
 _GPU_BIT, _HOST_BITS = 1, 2 | 4  # tier bits: GPU, CPU, CPU_PINNED first; other names take the next free bit
-MAX_TIERS = 16
 _FULL_ATTENTION = (None, "full_attention", "FullAttentionSpec")  # other cache groups do not hold prompt prefixes
 REMOVALS_KEPT = 200_000  # per replica: the last evictions, for checking predictions made before them
 
@@ -70,6 +73,7 @@ class TokenIndex:
         # Evictions, marked by a counter rather than a clock: which blocks left each replica's GPU after mark m
         self.removals = 0
         self._gone: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(replicas)]  # our hash -> mark
+        self._gone_kept = min(REMOVALS_KEPT, max_blocks or REMOVALS_KEPT)  # a cache's worth: bounded like the rest
         self._cleared_at = [0] * replicas
 
     def size(self, replica: int) -> int:
@@ -108,7 +112,7 @@ class TokenIndex:
         except (OverflowError, TypeError):  # not 32-bit token ids: no request can match them anyway
             return False
         if extra_keys and any(k is not None for k in extra_keys):
-            hashes = self._with_extra(ids, block_size, prev, extra_keys)
+            hashes = chain_with_extra(ids, block_size, prev, extra_keys)
         elif n == 1:
             hashes = (xxhash.xxh3_64_intdigest(ids, prev),)  # one block: its hash is the whole buffer's
         else:
@@ -128,30 +132,30 @@ class TokenIndex:
                 count[name] = count.get(name, 0) + 1
                 if table is not None:
                     table[h] = table.get(h, 0) | mine
+            if cap is not None and len(ours) >= cap and theirs not in ours and (  # one content under ever new names
+                    self.full[replica] or not self._compact(replica)):
+                self.full[replica] = True
+                return False
             ours[theirs] = h
             if h in pending:
                 self._unexpect(replica, h)  # reported: no longer a guess
         return True
 
     def _new_tier(self, name: str) -> int:
-        """The bit of a tier name not seen before; 0 past MAX_TIERS (a stream inventing names is refused)."""
-        if len(self._tier_names) >= MAX_TIERS or not isinstance(name, str):
+        """The bit of a tier name not seen before; 0 past MAX_TIERS or MAX_TIER_NAME (a stream inventing names)."""
+        if len(self._tier_names) >= MAX_TIERS or not fits_tier(name):
             return 0
         self._tier_bit[name] = bit = 1 << len(self._tier_names)
         self._tier_names.append(name)
         return bit
 
-    @staticmethod
-    def _with_extra(ids: array, block_size: int, prev: int, extra_keys) -> list[int]:
-        """Block by block, a block's extra keys (e.g. an image's hash) mixed in: a text request never matches it."""
-        out = []
-        for i in range(len(ids) // block_size):
-            prev = chain(ids[i * block_size:(i + 1) * block_size], block_size, parent=prev)[0]
-            extra = extra_keys[i] if i < len(extra_keys) else None
-            if extra is not None:
-                prev = xxhash.xxh3_64_intdigest(repr(extra).encode(), prev)
-            out.append(prev)
-        return out
+    def _compact(self, replica: int) -> bool:
+        """Drop the engine hashes whose block left every tier (an engine that names one block twice leaves the other
+        name behind); True if that made room for a quarter of the bound: a scan costs max_blocks, so it is rare."""
+        ours, media = self._ours[replica], self._media[replica]
+        for theirs in [t for t, h in ours.items() if h not in media]:
+            del ours[theirs]
+        return len(ours) <= self.max_blocks - max(1, self.max_blocks // 4)
 
     def removed(self, replica: int, block_hashes, medium: str | None = None) -> None:
         """A BlockRemoved event: gone from `medium` (every tier when the engine does not say)."""
@@ -206,25 +210,17 @@ class TokenIndex:
         return list(names)
 
     def restore(self, replica: int, saved: dict) -> None:
-        """Replace what `replica` holds with an `export`; raises ValueError if it is misshapen."""
+        """Replace what `replica` holds with an `export`; raises ValueError if it is misshapen or out of bounds
+        (token_bounds.check_saved: the bounds events are held to)."""
         try:
-            theirs, ours, blocks, media = saved["theirs"], saved["ours"], saved["blocks"], saved["media"]
-            size = saved["block_size"]
-            if len(theirs) != len(ours) or len(blocks) != len(media):
-                raise ValueError("parallel lists of different lengths")
-            if size is not None and (type(size) is not int or size < 1):
-                raise ValueError(f"block_size {size!r} is not a positive integer")
-            if not all(type(h) is int for lst in (theirs, ours, blocks) for h in lst):
-                raise ValueError("a block hash that is not an integer")
-            if self.max_blocks is not None and len(blocks) > self.max_blocks:
-                raise ValueError(f"{len(blocks)} blocks, more than the {self.max_blocks} a replica may hold")
+            size, theirs, ours, blocks, media = check_saved(saved, self.max_blocks)
             self.clear(replica)
             self.block_size[replica] = size
             self._ours[replica] = dict(zip(theirs, ours))
             for h, tiers in zip(blocks, media):
                 for medium in tiers:
-                    if not isinstance(medium, str) or not self._add(replica, h, medium):
-                        raise ValueError(f"a tier that is not a name, or one too many: {medium!r}")
+                    if not self._add(replica, h, medium):
+                        raise ValueError(f"one tier too many: {medium!r}")
         except (KeyError, TypeError, ValueError) as e:
             self.clear(replica)
             raise ValueError(f"a saved view of replica {replica} that does not fit: {e}") from None
@@ -330,7 +326,7 @@ class TokenIndex:
             gone = self._gone[replica]
             gone[h] = self.removals
             gone.move_to_end(h)
-            if len(gone) > REMOVALS_KEPT:
+            if len(gone) > self._gone_kept:
                 gone.popitem(last=False)
             self._unset(self._gpu, h, mine)
         if drop & _HOST_BITS and not left & _HOST_BITS:

@@ -8,7 +8,8 @@ eviction, or a hostile 50,000-event batch) never holds requests up for long.
 
 What a stream sent that was not applied (kvevents' counters: undecodable and oversized
 messages, events of unknown types; sheds; views cleared at the block limit) is turned into
-`ramjet_kv_refused_total{reason}` here, by difference, after every item.
+`ramjet_kv_refused_total{reason}` here, by difference, after every item and about once a
+second (precise/mode.py's sweep: a stream may send nothing but garbage).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Ingest:
         self._refused = [{reason: metrics.kv_refused.labels(*lab, reason)
                           for _, reason in (*_REFUSED, ("", "overflow"))} for lab in labels]
         self._seen = [dict.fromkeys([name for name, _ in _REFUSED], 0) for _ in labels]
+        self._counting: list[StreamCounters | None] = [None] * len(labels)  # whose totals _seen follows
 
     def apply(self, i: int, batch: Batch) -> None:
         """The whole batch, at once."""
@@ -79,7 +81,10 @@ class Ingest:
         self.metrics.kv_event_lag.observe(max(time.time() - batch.ts, 0.0))
 
     def refused(self, i: int, counters: StreamCounters) -> None:
-        """What the stream's counters say it refused since last asked."""
+        """What the stream's counters say it refused since last asked; a new stream's totals start again at 0."""
+        if counters is not self._counting[i]:
+            self._counting[i] = counters
+            self._seen[i] = dict.fromkeys(self._seen[i], 0)
         seen, out = self._seen[i], self._refused[i]
         for name, reason in _REFUSED:
             now = getattr(counters, name)

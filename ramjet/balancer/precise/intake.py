@@ -66,9 +66,13 @@ class StreamGate:
         self._shed_s, self._shed_at = 0.0, -REPEAT_S
         self.reason = ""  # why it was last shed
 
-    async def admit(self) -> None:
-        wait = self.intake.wait_s()
-        if wait > 0:
+    async def admit(self, tries: int = 64) -> None:
+        """Wait until the share has credit again: streams woken from one debt must not all go at once, back to back
+        past the share. At most `tries` waits, so a stream that others keep overtaking still gets its turn."""
+        for _ in range(tries):
+            wait = self.intake.wait_s()
+            if wait <= 0:
+                return
             await asyncio.sleep(wait)
 
     def spent(self, seconds: float, events: int, backlog: bool) -> float | None:
