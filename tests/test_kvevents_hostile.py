@@ -121,6 +121,21 @@ def test_a_stream_over_its_event_rate_is_shed_though_the_loop_keeps_up():
 
 
 @pytest.mark.unit
+def test_a_stream_whose_one_slice_outlasts_the_burst_is_shed_at_once():
+    # A slice stops only between messages: one 50,000-event batch held requests up for all of its decoding
+    # (benchmarks/event_flood.py: requests at 0.29 of their rate); waiting for BACKLOG_S let it do so again and again
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    gate = intake.gate()
+    assert gate.spent(intake_module.BURST_S, 4096, backlog=False) is None  # within the burst: rationed, not shed
+    clock.t += 10
+    assert gate.spent(intake_module.BURST_S + 0.01, 50_000, backlog=False) == SHED_S
+    assert "one slice took" in gate.reason
+    clock.t += SHED_S + 0.1
+    assert gate.spent(0.5, 50_000, backlog=False) == 2 * SHED_S  # again within a minute: twice as long
+
+
+@pytest.mark.unit
 def test_a_ration_gives_a_burst_then_one_per_interval():
     r = Ration(4, 2.0)
     assert [r.take(0.0) for _ in range(5)] == [True] * 4 + [False]
@@ -175,6 +190,24 @@ def test_a_shed_stream_forgets_its_view_and_is_not_trusted_while_its_stream_look
     assert m.report(0)["reason"] == "partial"
     assert "kv events shed: over its budget" in caplog.text
     assert metric(m, "ramjet_kv_stream_states_total", kind="shed") == 1
+    m.close()
+
+
+@pytest.mark.unit
+def test_a_stream_that_sends_only_garbage_has_its_refusals_counted_though_it_yields_nothing():
+    # Refusals were counted after each item a stream yields; one that sends nothing decodable yields nothing
+    # (found by benchmarks/event_flood.py: 43,500 garbage messages, ramjet_kv_refused_total 0)
+    m = mode()
+    stream = EventStream(Endpoints("tcp://127.0.0.1:1"))
+    m._streams[1] = stream
+    stream.counters.undecodable, stream.counters.oversized = 40, 3
+    m.tick(time.monotonic())
+    assert metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="1") == 40
+    assert metric(m, "ramjet_kv_refused_total", reason="oversized", upstream="1") == 3
+    stream.counters.undecodable += 2
+    m.tick(time.monotonic())
+    assert metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="1") == 42  # by difference
+    stream.close()
     m.close()
 
 

@@ -12,7 +12,11 @@ engine's publisher drops what it sends meanwhile; nothing queues here), its repl
 view is forgotten and the replica routes approximately until its predictions agree again
 (precise/mode.py). A stream is flooding when, while rationed, it still had messages
 waiting after every slice for BACKLOG_S, or when it delivered more than
-RJ_KV_EVENTS_MAX_RATE events in a second. The first shed lasts SHED_S, and each shed
+RJ_KV_EVENTS_MAX_RATE events in a second, or when one slice took more than BURST_S: a
+slice stops only between messages, so one enormous batch holds requests up for all of it
+(measured: 50,000-event batches, each 0.1-0.9 s of decoding, cut requests to 0.29 of
+their rate; benchmarks/event_flood.py), and the bucket's debt it leaves makes every
+other stream wait too. The first shed lasts SHED_S, and each shed
 within REPEAT_S of the last twice as long as that one, up to SHED_MAX_S.
 
 `StreamGate` is the subscriber's `Gate`; pure but for the clock and `asyncio.sleep`.
@@ -78,6 +82,9 @@ class StreamGate:
         it.credit -= seconds
         it.spent_s += seconds
         self._window_events += events
+        if seconds > BURST_S:  # one message's work (a 50,000-event batch) cannot be cut into slices: never again soon
+            return self._shed(now, f"one slice took {seconds * 1000:,.0f} ms, over the {BURST_S * 1000:g} ms of event "
+                                   "work requests may wait for")
         if not backlog:
             self._backlog_since = None
         elif it.credit < 0 and self._backlog_since is None:
