@@ -14,7 +14,7 @@ import event_flood
 
 @pytest.mark.slow
 def test_a_flood_of_hostile_event_streams_leaves_requests_half_their_rate_and_memory_bounded(tmp_path):
-    r = event_flood.run(baseline_s=6.0, flood_s=10.0, concurrency=8, settle_s=15.0, log_dir=tmp_path)
+    r = event_flood.run(baseline_s=8.0, flood_s=12.0, concurrency=8, settle_s=15.0, log_dir=tmp_path)
     report = event_flood.describe(r)
     print(report)
     c = r["counted"]
