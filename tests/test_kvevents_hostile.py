@@ -125,6 +125,27 @@ def test_a_stream_that_keeps_more_waiting_than_its_share_is_shed_longer_each_tim
 
 
 @pytest.mark.unit
+def test_a_flood_whose_queue_is_found_empty_now_and_then_is_still_shed_and_a_burst_that_empties_is_not():
+    # Measured (benchmarks/event_flood.py): garbage at 22,000 messages a second left its queue empty after one slice
+    # in five; when each such slice forgave it, it took its whole share of the loop for as long as it sent
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    flood = intake.gate()
+    shed_at = None
+    for n in range(1000):  # 6 ms of work every 20 ms: over its share, so the bucket runs dry after 1 s
+        clock.t += 0.02
+        if flood.spent(0.006, 0, backlog=n % 5 != 4) is not None:
+            shed_at = clock.t - 1000
+            break
+    assert shed_at is not None and 1.0 + BACKLOG_S - 0.1 < shed_at < 1.0 + BACKLOG_S + 0.3, shed_at
+    assert "share of the loop" in flood.reason
+    burst = Intake(0.25, 10**9, clock=clock).gate()
+    for n in range(1000):  # backlogged for 1 s at a time, then its queue empty for 0.4 s: a busy engine, not a flood
+        clock.t += 0.02
+        assert burst.spent(0.006, 10, backlog=n % 70 < 50) is None, n
+
+
+@pytest.mark.unit
 def test_a_stream_over_its_event_rate_is_shed_though_the_loop_keeps_up():
     clock = Clock()
     gate = Intake(1.0, 20_000, clock=clock).gate()
@@ -138,6 +159,21 @@ def test_a_stream_over_its_event_rate_is_shed_though_the_loop_keeps_up():
     clock.t += 0.9
     assert gate.spent(0.0, 0, backlog=False) == SHED_S
     assert "events/s" in gate.reason
+
+
+@pytest.mark.unit
+def test_a_stream_whose_one_slice_outlasts_the_burst_is_shed_at_once():
+    # A slice stops only between messages: one 50,000-event batch held requests up for all of its decoding
+    # (benchmarks/event_flood.py: requests at 0.29 of their rate); waiting for BACKLOG_S let it do so again and again
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    gate = intake.gate()
+    assert gate.spent(intake_module.BURST_S, 4096, backlog=False) is None  # within the burst: rationed, not shed
+    clock.t += 10
+    assert gate.spent(intake_module.BURST_S + 0.01, 50_000, backlog=False) == SHED_S
+    assert "one slice took" in gate.reason
+    clock.t += SHED_S + 0.1
+    assert gate.spent(0.5, 50_000, backlog=False) == 2 * SHED_S  # again within a minute: twice as long
 
 
 @pytest.mark.unit
@@ -268,6 +304,24 @@ def test_a_shed_stream_forgets_its_view_and_is_not_trusted_while_its_stream_look
     assert m.report(0)["reason"] == "partial"
     assert "kv events shed: over its budget" in caplog.text
     assert metric(m, "ramjet_kv_stream_states_total", kind="shed") == 1
+    m.close()
+
+
+@pytest.mark.unit
+def test_a_stream_that_sends_only_garbage_has_its_refusals_counted_though_it_yields_nothing():
+    # Refusals were counted after each item a stream yields; one that sends nothing decodable yields nothing
+    # (found by benchmarks/event_flood.py: 43,500 garbage messages, ramjet_kv_refused_total 0)
+    m = mode()
+    stream = EventStream(Endpoints("tcp://127.0.0.1:1"))
+    m._streams[1] = stream
+    stream.counters.undecodable, stream.counters.oversized = 40, 3
+    m.tick(time.monotonic())
+    assert metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="1") == 40
+    assert metric(m, "ramjet_kv_refused_total", reason="oversized", upstream="1") == 3
+    stream.counters.undecodable += 2
+    m.tick(time.monotonic())
+    assert metric(m, "ramjet_kv_refused_total", reason="undecodable", upstream="1") == 42  # by difference
+    stream.close()
     m.close()
 
 

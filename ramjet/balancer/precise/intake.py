@@ -11,8 +11,16 @@ A stream that wants more than its share is shed: its socket is closed for a whil
 engine's publisher drops what it sends meanwhile; nothing queues here), its replica's
 view is forgotten and the replica routes approximately until its predictions agree again
 (precise/mode.py). A stream is flooding when, while rationed, it still had messages
-waiting after every slice for BACKLOG_S, or when it delivered more than
-RJ_KV_EVENTS_MAX_RATE events in a second. The first shed lasts SHED_S, and each shed
+waiting after its slices for BACKLOG_S, with no spell of CLEAR_S in which they emptied
+its queue (a flood's queue is found empty now and then, between two of its messages:
+measured, a stream of garbage at 22,000 messages a second was found so after one
+slice in five, and with every such slice forgiving it, it took its whole share of
+the loop for as long as it sent, never shed), or when it delivered more than
+RJ_KV_EVENTS_MAX_RATE events in a second, or when one slice took more than BURST_S: a
+slice stops only between messages, so one enormous batch holds requests up for all of it
+(measured: 50,000-event batches, each 0.1-0.9 s of decoding, cut requests to 0.29 of
+their rate; benchmarks/event_flood.py), and the bucket's debt it leaves makes every
+other stream wait too. The first shed lasts SHED_S, and each shed
 within REPEAT_S of the last twice as long as that one, up to SHED_MAX_S.
 
 `StreamGate` is the subscriber's `Gate`; pure but for the clock and `asyncio.sleep`.
@@ -24,7 +32,8 @@ import asyncio
 import time
 
 BURST_S = 0.2       # the bucket holds share x this: the longest run of event work before requests get a turn
-BACKLOG_S = 2.0     # rationed with messages waiting after every slice for this long: a flood
+BACKLOG_S = 2.0     # rationed with messages waiting after its slices for this long: a flood
+CLEAR_S = 0.25      # ...unless they emptied its queue for this long (a slice that finds it empty now and then does not)
 SHED_S, SHED_MAX_S, REPEAT_S = 1.0, 30.0, 60.0
 WINDOW_S = 1.0      # the rate is counted over this
 
@@ -63,6 +72,7 @@ class StreamGate:
         self.intake = intake
         self._window_at, self._window_events = intake.clock(), 0
         self._backlog_since: float | None = None
+        self._clear_since: float | None = None  # since when its slices have emptied its queue
         self._shed_s, self._shed_at = 0.0, -REPEAT_S
         self.reason = ""  # why it was last shed
 
@@ -82,10 +92,17 @@ class StreamGate:
         it.credit -= seconds
         it.spent_s += seconds
         self._window_events += events
-        if not backlog:
-            self._backlog_since = None
-        elif it.credit < 0 and self._backlog_since is None:
-            self._backlog_since = now
+        if seconds > BURST_S:  # one message's work (a 50,000-event batch) cannot be cut into slices: never again soon
+            return self._shed(now, f"one slice took {seconds * 1000:,.0f} ms, over the {BURST_S * 1000:g} ms of event "
+                                   "work requests may wait for")
+        if not backlog:  # its queue emptied: a flood only once it stays empty for CLEAR_S
+            self._clear_since = now if self._clear_since is None else self._clear_since
+            if now - self._clear_since >= CLEAR_S:
+                self._backlog_since = None
+        else:
+            self._clear_since = None
+            if it.credit < 0 and self._backlog_since is None:
+                self._backlog_since = now
         if self._backlog_since is not None and now - self._backlog_since >= BACKLOG_S:
             return self._shed(now, f"it kept more waiting than its share of the loop for {BACKLOG_S:g}s")
         if now - self._window_at >= WINDOW_S:
@@ -99,5 +116,5 @@ class StreamGate:
         repeat = now - self._shed_at < REPEAT_S
         self._shed_s = min(SHED_MAX_S, self._shed_s * 2) if repeat and self._shed_s else SHED_S
         self._shed_at, self.reason = now, reason
-        self._backlog_since, self._window_at, self._window_events = None, now + self._shed_s, 0
+        self._backlog_since, self._clear_since, self._window_at, self._window_events = None, None, now + self._shed_s, 0
         return self._shed_s

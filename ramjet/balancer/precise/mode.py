@@ -194,14 +194,17 @@ class PreciseMode:
         await asyncio.gather(self._sweep(), *(self._follow(i, e) for i, e in enumerate(endpoints) if e is not None))
 
     async def _sweep(self) -> None:
-        """Every SWEEP_S: drop the blocks expected from answered requests that the engine never reported, and count
-        what each stream refused (a stream that sends only garbage delivers no item to count it after)."""
         while True:
             await asyncio.sleep(SWEEP_S)
-            self.index.sweep(time.monotonic())
-            for i, stream in enumerate(self._streams):
-                if stream is not None:
-                    self.ingest.refused(i, stream.counters)
+            self.tick(time.monotonic())
+
+    def tick(self, now: float) -> None:
+        """Every SWEEP_S: drop the blocks expected from answered requests that the engine never reported, and count
+        what each stream refused: a stream that sends only garbage yields nothing to count it after."""
+        self.index.sweep(now)
+        for i, stream in enumerate(self._streams):
+            if stream is not None:
+                self.ingest.refused(i, stream.counters)
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
         """Follow replica i's stream until closed. A stream that fails (its socket cannot open: a bad endpoint, the
