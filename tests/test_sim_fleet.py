@@ -8,6 +8,7 @@ only to stop a hung test; only 127.0.0.1 is used.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -148,6 +149,19 @@ def test_ramjet_sim_refuses_zero_engines_naming_the_flag():
     done = subprocess.run([sys.executable, "-m", "ramjet", "sim", "--engines", "0"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "argument --engines: must be at least 1 (got 0)" in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_taken_event_port_stops_the_whole_fleet_naming_the_engine():
+    events, port = free_ports(ENGINES * SPAN), free_ports(ENGINES)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", events + SPAN))  # engine 1's rank 0
+        taken.listen()
+        done = subprocess.run([sys.executable, "-m", "ramjet", "sim", "--engines", str(ENGINES), "--port", str(port),
+                               "--dp-size", str(RANKS), "--kv-events-config", events_config(events)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"the engine on port {port + 1} could not start: Address already in use" in done.stderr
 
 
 @pytest.mark.unit
