@@ -4,8 +4,8 @@ Engine k is the engine `ramjet sim` would start alone with the same flags, shift
 two engines share a port: its HTTP port is --port + k, and every port its publishers take (the
 KV event range, the replay range, the load range) moves by k times the span of engine 0's
 event ports. One uvicorn server listens on all N ports and hands each connection to the engine
-of the port it arrived on; the engines share the event loop, the tokenizer and the publishers'
-ZMQ context, and nothing else (each has its own ranks, caches, queues, counters and streams).
+of the port it arrived on; the engines share the event loop and the tokenizer, and nothing else
+(each has its own ranks, caches, queues, counters, publishers and ZMQ context).
 So a hundred 8-rank engines fit on a small machine at a reduced request rate.
 """
 
