@@ -2,8 +2,9 @@
 
 The engine's flags are generated from SimConfig's fields (`engine_flags`), so a setting is
 declared once, in ramjet/sim/config.py; only the server's own `--host`, `--port` and
-`--log-level` are written here. Flags are parsed as text and validated by the model, and
-a bad value exits 2 with the flag (or environment variable) it came from.
+`--log-level` are written here, and `--engines` (more than one: ramjet/sim/fleet.py serves
+them). Flags are parsed as text and validated by the model, and a bad value exits 2 with
+the flag (or environment variable) it came from.
 """
 
 from __future__ import annotations
@@ -45,9 +46,25 @@ def _item_type(parse: Callable[[str], tuple]) -> Callable[[str], tuple]:
     return item
 
 
+def _engines(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of engines (got {text!r})") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on (engine k of --engines: port + k)")
+    p.add_argument("--engines", type=_engines, default=1, metavar="N",
+                   help="independent engines in this one process, each with these settings, its own ranks and "
+                   "publishers: engine k serves HTTP on --port + k, and its KV event, replay and load ports are "
+                   "engine 0's moved up by k times the span engine 0's event ports take (lowest to highest, "
+                   "e.g. 108 for 5557 and a replay at 5657 with 8 ranks), so no two engines share a port "
+                   "(default: 1)")
     for name, option, field, flag in engine_flags():
         default = field.get_default(call_default_factory=True)
         help_text = (field.description or "").replace("%", "%%")
@@ -105,11 +122,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: error: {line}", file=sys.stderr)
         return 2
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engines = getattr(args, "engines", 1)
+    if engines != 1:
+        from ramjet.sim.fleet import FleetError, plan, serve
+        try:
+            configs = plan(config, engines, args.port)
+        except (FleetError, ValidationError) as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        return serve(configs, args.host, args.port, args.log_level)
+
     import uvicorn
 
     from ramjet.sim.server import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_app(config)  # loads the tokenizer directory
     except (OSError, ValueError) as e:
