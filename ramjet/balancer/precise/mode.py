@@ -188,8 +188,7 @@ class PreciseMode:
         for i, e in enumerate(endpoints):
             if e is None:
                 self.trust[i].reason = "no event publisher"
-        for i, e in enumerate(endpoints):  # known before any event arrives, so routed requests count at once
-            if e is not None and e.block_size and not self.index.block_size[i]:
+            elif e.block_size and not self.index.block_size[i]:  # known before any event: routed requests count
                 self.index.block_size[i] = e.block_size
         await asyncio.gather(self._sweep(), *(self._follow(i, e) for i, e in enumerate(endpoints) if e is not None))
 
