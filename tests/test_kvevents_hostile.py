@@ -177,6 +177,14 @@ def test_a_stream_whose_one_slice_outlasts_the_burst_is_shed_at_once():
 
 
 @pytest.mark.unit
+def test_the_debt_of_a_slice_that_outlasts_the_burst_does_not_stop_the_other_streams():
+    clock = Clock()
+    intake = Intake(0.25, 10**9, clock=clock)
+    assert intake.gate().spent(0.9, 50_000, backlog=False) == SHED_S  # one 50,000-event batch: shed
+    assert 0 < intake.wait_s() <= intake_module.BURST_S  # the others wait one burst at most, not 3.4 s
+
+
+@pytest.mark.unit
 def test_a_ration_gives_a_burst_then_one_per_interval():
     r = Ration(4, 2.0)
     assert [r.take(0.0) for _ in range(5)] == [True] * 4 + [False]

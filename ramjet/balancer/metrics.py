@@ -115,6 +115,14 @@ class Metrics:
                                     "Time a request waited in its key's queue, by how the wait ended: admitted, "
                                     "timeout (429), left (the client went away)", ("outcome",),
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.admission_waiting = Gauge("ramjet_admission_waiting", "Requests held by overload admission "
+                                       "(RJ_ADMISSION): their prefill would evict history still in use",
+                                       registry=r, multiprocess_mode="livesum")
+        self.admission_wait = Histogram("ramjet_admission_wait_seconds",
+                                        "Time a request was held by overload admission, by how the wait ended: "
+                                        "room (its replica had room), timeout (RJ_ADMISSION_MAX_WAIT_MS: sent anyway), "
+                                        "replica_left (its replica stopped serving), left (the client went away)",
+                                        ("outcome",), buckets=LATENCY_BUCKETS, registry=r)
         self.session_hints = Counter("ramjet_session_hints", "Requests that carried a session key, by what it did: "
                                      "home (kept on its conversation's replica), hint (a known conversation ranked "
                                      "by the policy), unknown (a key not seen answered: placed as without one)",

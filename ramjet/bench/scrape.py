@@ -53,7 +53,10 @@ def balancer_figures(url: str, timeout: float = 5.0) -> dict:
             "routing_p90_ms_bound": ms(histogram_quantile(text, "ramjet_routing_seconds", 0.9)),
             "loop_lag_mean_ms": ms(histogram_mean(text, "ramjet_event_loop_lag_seconds")),
             "loop_lag_p99_ms_bound": ms(histogram_quantile(text, "ramjet_event_loop_lag_seconds", 0.99)),
-            "kv_event_lag_mean_ms": ms(histogram_mean(text, "ramjet_kv_event_lag_seconds"))}
+            "kv_event_lag_mean_ms": ms(histogram_mean(text, "ramjet_kv_event_lag_seconds")),
+            # overload admission (RJ_ADMISSION): requests held, by how the wait ended, and the mean wait
+            "admission_held": counter_totals(samples(text), "ramjet_admission_wait_seconds_count", by="outcome"),
+            "admission_wait_mean_ms": ms(histogram_mean(text, "ramjet_admission_wait_seconds"))}
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:

@@ -176,6 +176,7 @@ def summarize(records: list, *, warmup: float, duration: float, stats_start: Map
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p90": percentile(ttfts, 90),
         "ttft_p99": percentile(ttfts, 99),
+        "ttft_max": max(ttfts, default=None),  # the longest any turn waited (overload admission may not starve one)
         "ttft_under_5s": (sum(1 for t in ttfts if t < 5.0) / len(ttfts)) if ttfts else None,
         "latency_p50": percentile((_get(r, "latency") for r in ok), 50),
         "stickiness": stick,

@@ -47,6 +47,9 @@ def _combinations(s: Settings) -> list[str]:
                    "only the turns it forwarded, so a session's turns, spread over the workers by the kernel, would "
                    "split across ranks and pay their prefill again; one worker is enough for a single server "
                    "(docs/operations.md, \"Several worker processes\")")
+    if s.admission and s.affinity == "load":
+        out.append("RJ_ADMISSION=on needs RJ_AFFINITY=prefix: it keeps the prefixes the caches hold, which a "
+                   "load-only policy does not track")
     return out + rust_combinations(s)
 
 

@@ -101,6 +101,8 @@ class Derived:
     liveness_window_s = _seconds("liveness_window_ms")
     kv_events_silence_s = _seconds("kv_events_silence_ms")
     api_key_max_wait_s = _seconds("api_key_max_wait_ms")
+    admission_idle_s = _seconds("admission_idle_ms")
+    admission_max_wait_s = _seconds("admission_max_wait_ms")
     state_interval_s = _seconds("state_interval_ms")
     shutdown_drain_s = _seconds("shutdown_drain_ms")
     shutdown_grace_s = _seconds("shutdown_grace_ms")

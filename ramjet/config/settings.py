@@ -60,6 +60,10 @@ class Settings(RustCompat, Derived):
     route_max_load_units: PositiveInt = 8
     route_max_attempts: PositiveInt = 3
     route_shortlist_above: NonNegativeInt = SHORTLIST_ABOVE  # replicas; beyond: a shortlist (routing/shortlist.py)
+    # overload admission: hold a request whose prefill would evict history in use (routing/admission.py)
+    admission: bool = False
+    admission_idle_ms: PositiveInt = 30_000       # a block untouched this long is no longer in use
+    admission_max_wait_ms: PositiveInt = 60_000   # the longest a request is held; then it is sent anyway
     # session hints: the clients' own conversation keys (routing/hints.py, routing/homes.py)
     session_hints: bool = True
     session_header: str | None = None  # a request header naming the conversation, e.g. x-session-id; None: off

@@ -1,7 +1,9 @@
 """Which prefix blocks each replica probably holds in its KV cache.
 
 Per replica, a bounded LRU set of block hashes (written only after the replica
-answered 2xx). Beside it, one global map hash -> bitmask of replicas, so a
+answered 2xx), each with when it was last touched (a time the caller gives: the index
+reads no clock), which tells overload admission (routing/admission.py) whether what a
+request would push out is still in use. Beside it, one global map hash -> bitmask of replicas, so a
 single walk along a request's chain yields every replica's overlap in
 O(matched depth), not O(replicas x blocks). Turning the walk's bitmasks back into one
 overlap per replica costs a Python step only for the replicas outside the largest group
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from itertools import chain, compress, count
+from itertools import chain, compress, count, islice
 
 _DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
@@ -23,7 +25,7 @@ class PrefixIndex:
     def __init__(self, capacities: list[int], mark_ends: bool = False):
         """`mark_ends`: also remember where each answered request ended (see `continues`)."""
         self._mark_ends = mark_ends
-        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
+        self._lru: list[OrderedDict[int, float]] = [OrderedDict() for _ in capacities]  # hash -> last touched
         self._capacity = list(capacities)
         self._holders: dict[int, int] = {}  # block hash -> bitmask of replicas holding it
 
@@ -54,8 +56,9 @@ class PrefixIndex:
             out.append((len(blocks), alive))
         return out
 
-    def record(self, replica: int, blocks: list[int], settled: int = -1) -> None:
-        """Remember that `replica` now holds `blocks`; evict its least recently used beyond capacity.
+    def record(self, replica: int, blocks: list[int], settled: int = -1, now: float = 0.0) -> None:
+        """Remember that `replica` now holds `blocks`, touched at `now`; evict its least recently used beyond
+        capacity.
 
         Blocks are touched tail first, so a chain's leading blocks (shared by
         every turn of a session, and by sessions of one harness) are the most
@@ -71,11 +74,22 @@ class PrefixIndex:
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = None
                 holders[h] = holders.get(h, 0) | bit
+            lru[h] = now
         while len(lru) > self._capacity[replica]:
             old, _ = lru.popitem(last=False)
             self._drop(old, bit)
+
+    def evicts_touched(self, replica: int, new_blocks: int) -> float | None:
+        """When the most recently touched of the blocks that `new_blocks` more would push out of `replica` was
+        last touched; None when they fit beside what it holds."""
+        lru = self._lru[replica]
+        excess = len(lru) + new_blocks - self._capacity[replica]
+        if excess <= 0:
+            return None
+        if excess >= len(lru):  # everything goes
+            return next(reversed(lru.values()), None)
+        return next(islice(lru.values(), excess - 1, None))
 
     def continues(self, blocks: list[int], overlaps: list[int]) -> bool:
         """Does the request extend a conversation: does its deepest match end where an answered request ended?
@@ -101,11 +115,12 @@ class PrefixIndex:
         """What `replica` holds, least recently used first: what `restore` takes back after a restart."""
         return list(self._lru[replica])
 
-    def restore(self, replica: int, blocks: list[int]) -> None:
-        """Hold `blocks` (least recently used first) on `replica` again, after what it holds now."""
+    def restore(self, replica: int, blocks: list[int], now: float = 0.0) -> None:
+        """Hold `blocks` (least recently used first) on `replica` again, after what it holds now, as touched at
+        `now`."""
         lru, bit, holders = self._lru[replica], 1 << replica, self._holders
         for h in blocks:
-            lru[h] = None
+            lru[h] = now
             lru.move_to_end(h)
             holders[h] = holders.get(h, 0) | bit
         while len(lru) > self._capacity[replica]:

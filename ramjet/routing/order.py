@@ -222,6 +222,7 @@ class Ranking:
         self._credits: list[float] | None = credits   # per replica
         self.reason = reason  # why the first one won: affinity | load | tiebreak | only_choice | fail_open
                               # | session (kept home by its session key: routing/homes.py)
+                              # | admission (a runner-up with room: balancer/proxy/admission.py)
         self._lists: Callable[[], tuple[list[float], list[float]]] | None = None
         self._known: dict[int, tuple[float, float]] = {}
 

@@ -152,13 +152,13 @@ class Router:
             return False
         return not self.pressure.high()
 
-    def answered(self, replica: int, decision: Decision) -> None:
-        """`replica` answered 2xx: it now holds the request's prefix.
+    def answered(self, replica: int, decision: Decision, now: float = 0.0) -> None:
+        """`replica` answered 2xx at `now` (the caller's clock): it now holds the request's prefix.
 
         A continuing request that no replica still held whole tells that the caches are evicting
         live conversations (the cache pressure)."""
         fp = decision.fingerprint
-        self.index.record(replica, fp.blocks, fp.settled)
+        self.index.record(replica, fp.blocks, fp.settled, now)
         if self.balance_new_sessions:
             if decision.continued:
                 self.pressure.observe(max(decision.overlaps, default=0) < decision.continued)

@@ -10,6 +10,8 @@ learning what each replica holds, and precise mode's trust in each engine's repo
 
 from __future__ import annotations
 
+import time
+
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.precise.mode import PreciseMode
@@ -96,7 +98,7 @@ class Learning(AttemptListener):
 
     def first_byte(self, o: Outcome, i: int, status: int) -> None:
         if ok(status):
-            self.router.answered(i, o.choice.decision)
+            self.router.answered(i, o.choice.decision, time.monotonic())
             self.gauges[i].set(self.router.index.size(i))
 
     def forget(self, i: int) -> None:

@@ -1,6 +1,6 @@
 """Forward one request, top to bottom: decide, try replicas in order, relay the answer, record.
 
-Generation: parse the body -> Decider.decide -> for each attempt: reserve load,
+Generation: parse the body -> Decider.decide (-> Admission.admit: a wait, in overload) -> for each attempt: reserve load,
 pin the rank, open upstream (failover before the first byte), relay -> one Outcome
 for metrics, journal, log. What each attempt's steps teach the rest of the
 balancer (fencing evidence, the router's index, precise mode's trust) is told to
@@ -25,6 +25,7 @@ from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.engines.upstream import Upstream, UpstreamFailure
 from ramjet.balancer.metrics import Metrics
+from ramjet.balancer.proxy.admission import Admission
 from ramjet.balancer.proxy.attempts import Attempts
 from ramjet.balancer.proxy.decide import Decider
 from ramjet.balancer.proxy.events import AttemptListener
@@ -56,7 +57,7 @@ class ForwardSettings:
 class Forwarder:
     def __init__(self, replicas: list[Replica], decider: Decider, fleet: Fleet, upstream: Upstream,
                  recorder: Recorder, metrics: Metrics, settings: ForwardSettings, listener: AttemptListener,
-                 params: Params):
+                 params: Params, admission: Admission | None = None):
         self.replicas = replicas
         self.decider = decider
         self.fleet = fleet
@@ -65,6 +66,7 @@ class Forwarder:
         self.s = settings
         self.listener = listener
         self.params = params  # the routing settings a request's reservation is reckoned in
+        self.admission = admission  # RJ_ADMISSION: requests that would evict live history wait (admission.py)
         self._engines = [r.engine for r in replicas]
         self._budget_exhausted = metrics.failover_budget_exhausted
         self._rotation = 0
@@ -82,6 +84,8 @@ class Forwarder:
                 body = parse_object(raw, self.s.max_json_depth)
                 raw = strip_max_tokens(route, body, raw, self.s.max_tokens_strip)
                 o.choice = await self.decider.decide(route, body, headers)
+                if self.admission is not None:
+                    o.choice = await self.admission.admit(o, lambda: self.decider.decide(route, body, headers))
             except ApiError as e:
                 o.status, o.result = e.status, "rejected"
                 await send_json(send, e.status, e.body(), _id_header(o))
@@ -94,6 +98,8 @@ class Forwarder:
             raise
         finally:
             self._in_flight -= 1
+            if self.admission is not None:
+                self.admission.release(o)
             self.recorder.finish(o)
 
     async def _forward(self, o: Outcome, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], send,

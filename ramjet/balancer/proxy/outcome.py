@@ -40,6 +40,7 @@ class Outcome:
     failure: str | None = None             # the last failed attempt's reason
     ttfb: float | None = None
     usage: Usage | None = None
+    waited: float | None = None            # seconds held by overload admission (admission.py); None: not held
 
     def failed_attempt(self, replica: int, reason: str) -> None:
         self.attempts.append({"upstream": replica, "failed": reason})
@@ -138,6 +139,8 @@ class Recorder:
             record["hint"] = f"{d.hint:016x}"
         if o.replica is not None:
             record["choice"] = o.replica
+        if o.waited is not None:
+            record["waited_ms"] = round(o.waited * 1000, 3)
         record.update(outcome=o.result, status=o.status,
                       ttfb_ms=round(o.ttfb * 1000, 3) if o.ttfb is not None else None,
                       duration_ms=round(duration * 1000, 3),
@@ -150,6 +153,8 @@ class Recorder:
                   "rank": replica.dp_rank if replica else None, "status": o.status, "outcome": o.result,
                   "attempts": len(o.attempts), "ttfb_ms": round(o.ttfb * 1000, 1) if o.ttfb is not None else None,
                   "duration_ms": round(duration * 1000, 1)}
+        if o.waited is not None:
+            fields["waited_ms"] = round(o.waited * 1000, 1)
         if o.usage:
             fields.update(o.usage.as_dict())
         return fields

@@ -23,6 +23,7 @@ from ramjet.balancer.engines.upstream import Upstream
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.balancer.precise.mode import PreciseMode, PreciseSettings
+from ramjet.balancer.proxy.admission import Admission
 from ramjet.balancer.proxy.decide import Decider
 from ramjet.balancer.proxy.events import Fencing, Learning, Listeners, PreciseTrust
 from ramjet.balancer.proxy.forward import Forwarder, ForwardSettings
@@ -32,6 +33,7 @@ from ramjet.balancer.proxy.relay import PASSED_RESPONSE_HEADERS
 from ramjet.balancer.proxy.samples import Samples
 from ramjet.balancer.runtime.memory import Memory
 from ramjet.config import Settings
+from ramjet.routing.admission import AdmissionRule
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 from ramjet.routing.token_index import TokenIndex
@@ -163,6 +165,10 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     if precise is not None:
         fleet.on_cache_lost(precise.forget)
     decider = Decider(router, fleet, precise, s.session_header if s.session_hints else None)
+    admission = Admission(router, fleet, AdmissionRule(s.admission_idle_s, s.admission_max_wait_s), metrics) \
+        if s.admission else None
+    if admission is not None:
+        listeners.append(admission)
     samples = Samples(len(replicas))
     forwarder = Forwarder(replicas, decider, fleet, upstream, Recorder(metrics, replicas, journal, samples), metrics,
                           ForwardSettings(s.route_max_attempts, s.first_byte_timeout_s,
@@ -170,7 +176,7 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
                                           s.failover_budget_percent / 100,
                                           PASSED_RESPONSE_HEADERS | frozenset(s.pass_response_headers),
                                           s.max_tokens_strip, s.advertise_ctx_margin, s.load_model),
-                          Listeners(listeners), params)
+                          Listeners(listeners), params, admission)
     prober = None
     if probes:
         prober = Prober(replicas, fleet, upstream, metrics, ProbeSettings(

@@ -172,7 +172,7 @@ class Memory:
             try:
                 approximate = engines is None or self._same_engine(r, saved, engines)
                 if approximate:
-                    self.router.index.restore(i, [int(h) for h in saved.get("approximate", [])])
+                    self.router.index.restore(i, [int(h) for h in saved.get("approximate", [])], time.monotonic())
                 view = saved.get("precise")
                 precise = view is not None and self.precise is not None
                 if precise:  # vouched for by the engine's own replay, not by this check (precise.py)
