@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from harness import chat_body, stack
 from poll import until
+from ramjet.balancer.edge.admin import build_admin_app
 from ramjet.config import ConfigError, load_settings
 from ramjet.routing.admission import AdmissionRule
 from ramjet.routing.index import PrefixIndex
@@ -79,12 +81,19 @@ ONE_RANK = dict(sim={"dp_size": 1}, admission="on", route_kv_capacity_tokens="20
 LIVE, NEWCOMER = "a live conversation " * 3000, "a newcomer " * 4000
 
 
+def admin_client(s) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_admin_app(s.balancer)), base_url="http://admin")
+
+
 @pytest.mark.e2e
 async def test_a_newcomer_waits_while_the_history_it_would_evict_is_in_use_then_goes():
     async with stack(**ONE_RANK, admission_idle_ms="60000", admission_max_wait_ms="300") as s:
         assert (await s.chat(LIVE)).status_code == 200
         assert (await s.chat(LIVE)).status_code == 200          # its history is resident: sent at once
         assert await s.metric("ramjet_admission_wait_seconds_count") == 0
+        async with admin_client(s) as admin:  # explain says what admission would do, as the live path does
+            assert (await admin.post("/admin/explain", json=chat_body(LIVE))).json()["admission"] == "go"
+            assert (await admin.post("/admin/explain", json=chat_body(NEWCOMER))).json()["admission"] == "wait"
         r = await s.chat(NEWCOMER)
         assert r.status_code == 200                              # held, then sent anyway: nobody starves
         assert await s.metric("ramjet_admission_wait_seconds_count", outcome="timeout") == 1
@@ -129,4 +138,7 @@ async def test_a_newcomer_goes_to_a_runner_up_with_room_rather_than_wait_for_the
         r = await s.chat(LIVE[: len(LIVE) // 2] + NEWCOMER)
         assert r.status_code == 200 and int(r.headers["x-ramjet-upstream"]) != home
         assert await s.metric("ramjet_route_decisions_total", reason="admission") == 1
+        async with admin_client(s) as admin:
+            explained = (await admin.post("/admin/explain", json=chat_body(LIVE[: len(LIVE) // 2] + NEWCOMER))).json()
+        assert explained["admission"] == "go"  # the runner-up holds it all now: a continuation, never held
         assert await s.metric("ramjet_admission_wait_seconds_count") == 0

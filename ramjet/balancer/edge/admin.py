@@ -122,4 +122,14 @@ def explained(balancer: Balancer, c: Choice, load: RequestLoad | None = None) ->
             "session_home": None if d.home is None else replicas[d.home].ordinal,
             "prompt_bytes": d.fingerprint.prompt_bytes,
             "blocks": len(d.fingerprint.blocks), "pick": replicas[ranking.order[0]].ordinal,
-            "reason": ranking.reason, "order": [replicas[i].ordinal for i in ranking.order], "replicas": rows}
+            "reason": ranking.reason, "order": [replicas[i].ordinal for i in ranking.order],
+            **_admission(balancer, c), "replicas": rows}
+
+
+def _admission(balancer: Balancer, c: Choice) -> dict:
+    """With RJ_ADMISSION=on, what overload admission would do with the decision now (proxy/admission.py)."""
+    admission = balancer.forwarder.admission
+    if admission is None:
+        return {}
+    verdict, replica = admission.verdict(c)
+    return {"admission": verdict, "admission_to": None if replica is None else balancer.replicas[replica].ordinal}

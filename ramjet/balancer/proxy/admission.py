@@ -37,22 +37,31 @@ class Admission(AttemptListener):
         self._admitted: dict[str, tuple[int, int]] = {}  # request id -> (replica, blocks) counted in _pending
         self._waiting, self._waited = metrics.admission_waiting, metrics.admission_wait
 
+    def verdict(self, choice: Choice) -> tuple[str, int | None]:
+        """What admission does with this decision now: `go` to the replica as ranked (None: none is routable),
+        `elsewhere` at once to a runner-up with room, or `wait`. Explain shows it (edge/admin.py)."""
+        targets = self._targets(choice)
+        if not targets or self.rule.continues(choice.decision, targets[0][1], self._chunk):
+            return "go", targets[0][0] if targets else None
+        room = self._room(targets)
+        if room is None:
+            return "wait", None
+        return ("go" if room == targets[0][0] else "elsewhere"), room
+
     async def admit(self, o: Outcome, decide: Callable[[], Awaitable[Choice]]) -> Choice:
         """`o.choice`, or a fresh decision after a wait; `o.waited` is how long it waited (seconds).
 
         Sent where the ranking would send it, unless only a candidate further down (of the best
         CANDIDATES routable) has room: then there, first (decision reason `admission`)."""
         choice = o.choice
+        verdict, room = self.verdict(choice)
+        if verdict == "wait":
+            room = await self._hold(o, self._targets(choice))
+            choice = await decide()
         targets = self._targets(choice)
-        if targets and not self.rule.continues(choice.decision, targets[0][1], self._chunk):
-            room = self._room(targets)
-            if room is None:
-                room = await self._hold(o, targets)
-                choice = await decide()
-            first = self._targets(choice)[:1]
-            if room is not None and first and first[0][0] != room and self.fleet.is_routable(room):
-                ranking = choice.decision.ranking.pinned(room, "admission")
-                choice = replace(choice, decision=replace(choice.decision, ranking=ranking))
+        if room is not None and targets and targets[0][0] != room and self.fleet.is_routable(room):
+            choice = replace(choice, decision=replace(choice.decision,
+                                                      ranking=choice.decision.ranking.pinned(room, "admission")))
             targets = self._targets(choice)
         if targets:
             self._count(o, *targets[0])
