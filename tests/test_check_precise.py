@@ -20,6 +20,9 @@ from ramjet.sim.server import build_app
 pytestmark = pytest.mark.e2e
 
 DP = 2
+# Where a batch is dropped, each later turn waits the event timeout out (twice, when even the nudge's
+# batch cannot complete the picture): a second is ample for events over loopback.
+DROPPED = dict(event_timeout_s=1.0)
 
 
 def sim_events(fmt: str, events: int, replays: int) -> dict:
@@ -34,7 +37,8 @@ def sim_events(fmt: str, events: int, replays: int) -> dict:
 def check_options(fmt: str, events: int, replays: int, **extra) -> Options:
     """What an operator passes: SGLang advertises its publishers (not its replay); vLLM advertises nothing."""
     vllm = fmt == "vllm"
-    return Options(seed=7, event_timeout_s=2.0, replay_endpoint="tcp://{host}:%d" % replays,
+    extra = {"event_timeout_s": 2.0, **extra}
+    return Options(seed=7, replay_endpoint="tcp://{host}:%d" % replays,
                    events_endpoint="tcp://{host}:%d" % events if vllm else None, topic="kv" if vllm else None,
                    **extra)
 
@@ -72,7 +76,8 @@ async def test_a_batch_lost_beyond_the_replay_falls_back_on_that_rank(fmt):
         async def lose_after_first_turn(rank: int, turn: int) -> None:
             if (rank, turn) == (1, 1):  # the next batch of rank 1 is lost outright (no replay has it)
                 await sim.post("/sim/kv-loss", json={"rank": 1, "batches": 1, "replayable": False})
-        code, lines = await check(url, check_options(fmt, events, replays), lose_after_first_turn)
+        opts = check_options(fmt, events, replays, turns=3, **DROPPED)  # the fewest a verdict needs (MIN_TURNS)
+        code, lines = await check(url, opts, lose_after_first_turn)
     assert code == 1, lines
     assert lines[-1].startswith("falls back on rank 1 because KV event batches were lost"), lines
     assert "rank 0: safe" in "\n".join(lines)
@@ -82,7 +87,7 @@ async def test_a_gap_the_replay_fills_is_still_safe():
     async with engine("sglang") as (url, sim, events, replays):
         async def drop_live(rank: int, turn: int) -> None:
             await sim.post("/sim/kv-loss", json={"rank": rank, "batches": 1, "replayable": True})
-        code, lines = await check(url, check_options("sglang", events, replays), drop_live)
+        code, lines = await check(url, check_options("sglang", events, replays, **DROPPED), drop_live)
     assert code == 0 and lines[-1].startswith("precise mode is safe here"), lines
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from harness import chat_body, stack
 from poll import until
+from ramjet.bench import procs
 
 pytestmark = pytest.mark.e2e
 
@@ -73,15 +74,27 @@ async def test_many_headers_are_refused_without_delaying_other_clients(start_sim
 
 # --- 2. engine admin routes stay out of reach ------------------------------------
 
+@pytest.fixture(scope="module")
+def allowlist_stack(tmp_path_factory):
+    """(simulator URL, balancer URL), shared by every path below: a refused path changes neither."""
+    logs = tmp_path_factory.mktemp("allowlist")
+    sim_port, port = procs.free_port(), procs.free_port()
+    with procs.start_sim(sim_port, "--time-scale", "50", log_path=logs / "sim.log"):
+        # the balancer's own requests to the engine: one probe round at start, no load polls
+        env = {"RJ_UPSTREAM": f"http://127.0.0.1:{sim_port}", "RJ_UPSTREAM_DP_SIZE": "8",
+               "RJ_HEALTH_INTERVAL_MS": "600000", "RJ_ENGINE_LOAD": "off"}
+        with procs.start_balancer(port, env, log_path=logs / "balancer.log"):
+            yield f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.parametrize("target", [
     b"/v1/../get_server_info", b"/v1/%2e%2e/flush_cache", b"/v1/models/..%2fflush_cache", b"/v1/models/%2E%2E",
     b"/v1/./models", b"/v1//models", b"/v1/models%5c..%5cflush_cache", b"/v1/mod%00els", b"/v1/flush_cache",
     b"/v1/metrics", b"/v1/start_profile", b"/flush_cache", b"/get_server_info", b"/v1/models?x=/../flush_cache",
 ])
-async def test_no_path_reaches_an_engine_route_off_the_allowlist(start_sim, start_balancer, target):
-    sim_url, _ = start_sim("--time-scale", "50")
-    url, _ = start_balancer(upstream=sim_url, upstream_dp_size="8", health_interval_ms="60000")
-    before = len(sim_paths(sim_url))  # start-up: readiness polls, the first probe round
+async def test_no_path_reaches_an_engine_route_off_the_allowlist(allowlist_stack, target):
+    sim_url, url = allowlist_stack
+    before = len(sim_paths(sim_url))  # start-up (readiness polls, the probe round) and the paths before
     answer = await raw_exchange(url, b"GET " + target + b" HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     seen = httpx.get(sim_url + "/sim/requests", timeout=5).json()["requests"][before:-1]  # but this poll
     paths = [r["raw_path"] or r["path"] for r in seen]
