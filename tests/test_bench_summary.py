@@ -227,3 +227,22 @@ async def test_swarm_marks_bad_streams_and_http_errors_as_failures():
     assert {"stream_error", "http_503", "ok"} <= statuses
     assert all(r.upstream == "2" for r in result.records if r.status != "http_503")
     assert any("[DONE]" in (r.error or "") for r in result.records)
+
+
+@pytest.mark.unit
+def test_the_balancers_admission_figures_are_numbers_the_report_prints():
+    from prometheus_client import generate_latest
+
+    from ramjet.balancer.metrics import Metrics
+    from ramjet.bench.report import placement_notes
+    from ramjet.bench.scrape import figures_of
+
+    m = Metrics()
+    for outcome, seconds in (("timeout", 3.0), ("timeout", 3.0), ("room", 0.5)):
+        m.admission_wait.labels(outcome).observe(seconds)
+    figures = figures_of(generate_latest(m.registry).decode())
+    assert figures["admission_timeout"] == 2 and figures["admission_room"] == 1
+    assert figures["admission_wait_mean_ms"] == pytest.approx(2166.667)
+    notes = "\n".join(placement_notes([{"placement": "relative", "seed": 1, "balancer": figures}],
+                                      name=lambda r: "cell"))
+    assert "admission_timeout 2" in notes and "admission_wait_mean_ms 2166.67" in notes

@@ -48,15 +48,21 @@ def balancer_figures(url: str, timeout: float = 5.0) -> dict:
         text = httpx.get(url + "/metrics", timeout=timeout).text
     except httpx.HTTPError:
         return {}
+    return figures_of(text)
+
+
+def figures_of(text: str) -> dict[str, float | None]:
+    """balancer_figures of one /metrics exposition: every value a number (or None), as the report prints them."""
     ms = (lambda v: None if v is None else round(v * 1000, 3))
     return {"routing_mean_ms": ms(histogram_mean(text, "ramjet_routing_seconds")),
             "routing_p90_ms_bound": ms(histogram_quantile(text, "ramjet_routing_seconds", 0.9)),
             "loop_lag_mean_ms": ms(histogram_mean(text, "ramjet_event_loop_lag_seconds")),
             "loop_lag_p99_ms_bound": ms(histogram_quantile(text, "ramjet_event_loop_lag_seconds", 0.99)),
             "kv_event_lag_mean_ms": ms(histogram_mean(text, "ramjet_kv_event_lag_seconds")),
-            # overload admission (RJ_ADMISSION): requests held, by how the wait ended, and the mean wait
-            "admission_held": counter_totals(samples(text), "ramjet_admission_wait_seconds_count", by="outcome"),
-            "admission_wait_mean_ms": ms(histogram_mean(text, "ramjet_admission_wait_seconds"))}
+            # overload admission (RJ_ADMISSION): the mean wait, and how many were held, by how the wait ended
+            "admission_wait_mean_ms": ms(histogram_mean(text, "ramjet_admission_wait_seconds")),
+            **{f"admission_{outcome}": n for outcome, n in
+               (counter_totals(samples(text), "ramjet_admission_wait_seconds_count", by="outcome") or {}).items()}}
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
