@@ -7,11 +7,16 @@ on serving and say what happened (the ranks fenced, their event streams disconne
 mode off, in its metrics and its log), and when the engine is started again on the same ports
 every rank must serve, and be routed precisely, again. What was answered before the kill was
 answered whole. Slow, and skipped loudly where vLLM cannot be installed, as tests/test_real_vllm.py.
+
+The engine brought back stays up for the module's next test, RJ_ENGINE_LOAD against the real
+engine's /metrics (`bed`, module-scoped): an engine start costs a minute on the CI machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +26,7 @@ import real_vllm  # scripts/real_vllm.py (pyproject.toml's pythonpath)
 from poll import wait_for
 from test_real_vllm import ENGINE_DIR, loud_skip, port_pair, user_text
 
+from ramjet.balancer.engines.report import from_vllm_metrics
 from ramjet.bench import procs
 from ramjet.bench.scrape import metric_sum
 
@@ -40,28 +46,59 @@ def long_answer(eng, n: int, stream: bool) -> dict:
                 stream=stream)
 
 
+class EngineBed:
+    """This module's real vLLM: started when a test asks, on the same ports each time, and kept up between tests."""
+
+    def __init__(self, logs):
+        taken: set[int] = set()
+        self.http_port = procs.free_port()
+        self.kv_port, self.replay_port = port_pair(taken), port_pair(taken)
+        self.logs, self.starts = logs, 0
+        self._up: contextlib.ExitStack | None = None
+        self.eng = None
+
+    def start(self):
+        """A new engine (the previous one stopped first, whatever state it is in)."""
+        self.stop()
+        self.starts += 1
+        self._up = contextlib.ExitStack()
+        self.eng = self._up.enter_context(real_vllm.running_vllm(
+            self.http_port, self.kv_port, self.replay_port, self.logs / f"vllm-{self.starts}.log", root=ENGINE_DIR,
+            timeout=360))  # a loaded 2-core machine: minutes
+        return self.eng
+
+    def running(self):
+        """The engine now up, or a new one."""
+        return self.eng if self._up is not None and self.eng.process.alive() else self.start()
+
+    def stop(self) -> None:
+        if self._up is not None:
+            self._up.close()
+            self._up, self.eng = None, None
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    try:
+        real_vllm.setup(ENGINE_DIR)
+    except real_vllm.CannotInstall as e:
+        loud_skip(str(e).splitlines()[0])
+    engines = EngineBed(tmp_path_factory.mktemp("vllm"))
+    yield engines
+    engines.stop()
+
+
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 @pytest.mark.timeout(900)
-def test_real_vllm_killed_mid_stream_and_restarted(tmp_path):
+def test_real_vllm_killed_mid_stream_and_restarted(bed, tmp_path):
     t0 = time.monotonic()
-    try:
-        real_vllm.setup(ENGINE_DIR)
-    except real_vllm.CannotInstall as e:
-        loud_skip(str(e).splitlines()[0])
-    taken: set[int] = set()
-    http_port = procs.free_port()
-    kv_port, replay_port = port_pair(taken), port_pair(taken)
     port, admin_port = procs.free_port(), procs.free_port()
     url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     log_path = tmp_path / "balancer.log"
-
-    def start_engine(name: str):
-        return real_vllm.running_vllm(http_port, kv_port, replay_port, tmp_path / f"vllm-{name}.log",
-                                      root=ENGINE_DIR, timeout=360)  # a loaded 2-core machine: minutes
 
     def metric(client: httpx.Client, name: str, **labels: str) -> float:
         return metric_sum(client.get("/metrics").text, name, **labels)
@@ -74,7 +111,8 @@ def test_real_vllm_killed_mid_stream_and_restarted(tmp_path):
         r = client.get("/health")
         return r.status_code, [rep["state"] for rep in r.json()["replicas"]]
 
-    with start_engine("first") as eng, httpx.Client(base_url=url, timeout=60) as client:
+    eng = bed.start()
+    with httpx.Client(base_url=url, timeout=60) as client:
         balancer = procs.start_balancer(port, {
             "RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2", "RJ_KV_EVENTS": "zmq", "RJ_KV_EVENTS_TOPIC": "kv",
             "RJ_KV_EVENTS_ENDPOINT": f"@tcp://127.0.0.1:{eng.kv_port}",  # vLLM's publishers connect: bind
@@ -153,7 +191,8 @@ def test_real_vllm_killed_mid_stream_and_restarted(tmp_path):
     # Back: the same engine on the same ports. Every rank serves again, and is routed precisely
     # once its new stream begins (a rank's first batch, numbered 0, proves the stream whole).
     try:
-        with start_engine("again") as eng, httpx.Client(base_url=url, timeout=60) as client:
+        eng = bed.start()  # stays up for the next test
+        with httpx.Client(base_url=url, timeout=60) as client:
             wait_for(lambda: states(client) == (200, ["serving", "serving"]), "both ranks serving again", timeout=60)
             with httpx.Client(base_url=eng.url, timeout=60) as direct:
                 for r in RANKS:  # straight to each rank: the balancer may place the next turns on one
@@ -179,6 +218,51 @@ def test_real_vllm_killed_mid_stream_and_restarted(tmp_path):
           f"fences {metric_sum(text, 'ramjet_upstream_fences_total'):g}, streams disconnected "
           f"{metric_sum(text, 'ramjet_kv_stream_states_total', kind='disconnected'):g}; balancer RSS {rss:.0f} MB; "
           f"whole test {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.timeout(300)
+def test_real_vllm_metrics_are_read_as_engine_load(bed, tmp_path):
+    """RJ_ENGINE_LOAD against the real engine: its /metrics parse (per DP engine, with its process start
+    time), and requests sent straight to rank 0 show up in the balancer as that rank's engine load."""
+    eng = bed.running()  # the engine the previous test brought back, or a new one
+    figures, launch = from_vllm_metrics(httpx.get(eng.url + "/metrics", timeout=10).text)
+    assert set(figures) == {0, 1} and launch and launch.startswith("process_start_time_seconds=")
+    port = procs.free_port()
+    balancer = procs.start_balancer(port, {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2",
+                                           "RJ_ENGINE_LOAD_INTERVAL_MS": "100"},
+                                    log_path=tmp_path / "balancer.log", timeout=60)
+    stop = threading.Event()
+
+    def direct(n: int) -> None:  # long answers pinned to rank 0, not through the balancer
+        with httpx.Client(base_url=eng.url, timeout=120) as c, contextlib.suppress(httpx.HTTPError):
+            while not stop.is_set():  # until the test ends (or the engine stops under it)
+                c.post("/v1/completions", headers={"X-Data-Parallel-Rank": "0"}, json={
+                    "model": eng.model, "prompt": f"client {n}: " + "word " * 300, "max_tokens": 2000,
+                    "ignore_eos": True, "temperature": 0})
+
+    # two streams are load enough; more starve the balancer of the two CPU cores the engine shares
+    workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(2)]
+    seen = [0.0, 0.0]
+    try:
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 60
+        while seen[0] == 0 and time.monotonic() < deadline:
+            try:  # a CPU engine decoding flat out can keep the balancer off the cores for a while
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            except httpx.TimeoutException:
+                continue
+            seen = [max(s, metric_sum(text, "ramjet_engine_load_units", rank=str(r))) for r, s in enumerate(seen)]
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        balancer.stop()
+        for w in workers:
+            w.join(timeout=30)
+    log = (tmp_path / "balancer.log").read_text()
+    print(f"\nreal vLLM: engine load seen by the balancer, rank 0 {seen[0]:g} units, rank 1 {seen[1]:g}")
+    assert "reading its load from vllm_metrics" in log, log[-2000:]
+    assert seen[0] > 0 and seen[1] == 0, seen
 
 
 def _group_alive(pgid: int) -> bool:
