@@ -352,3 +352,62 @@ def test_the_balancer_renders_chat_templates_as_hugging_face_does():
         ours = load_tokenizer(directory)  # the part separator defaults to vLLM's
         for body, theirs in zip(bodies, json.loads(answer.stdout)):
             assert list(ours.prompt("chat", body).ids) == theirs, (directory, body["messages"][-1])
+
+
+@pytest.mark.timeout(300)
+def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
+    """RJ_ENGINE_LOAD against the real engine: its /metrics parse (per DP engine, with its process start
+    time), and requests sent straight to rank 0 show up in the balancer as that rank's engine load."""
+    import contextlib
+    import threading
+
+    from harness import metric_sum
+    from ramjet.balancer.engines.report import from_vllm_metrics
+
+    try:
+        real_vllm.setup(ENGINE_DIR)
+    except real_vllm.CannotInstall as e:
+        loud_skip(str(e).splitlines()[0])
+    taken: set[int] = set()
+    http_port = procs.free_port()
+    kv_port, replay_port = port_pair(taken), port_pair(taken)
+    with real_vllm.running_vllm(http_port, kv_port, replay_port, tmp_path / "vllm.log", root=ENGINE_DIR,
+                                timeout=180) as eng:
+        figures, launch = from_vllm_metrics(httpx.get(eng.url + "/metrics", timeout=10).text)
+        assert set(figures) == {0, 1} and launch and launch.startswith("process_start_time_seconds=")
+        port = procs.free_port()
+        balancer = procs.start_balancer(port, {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2",
+                                               "RJ_ENGINE_LOAD_INTERVAL_MS": "100"},
+                                        log_path=tmp_path / "balancer.log", timeout=60)
+        stop = threading.Event()
+
+        def direct(n: int) -> None:  # long answers pinned to rank 0, not through the balancer
+            with httpx.Client(base_url=eng.url, timeout=120) as c, contextlib.suppress(httpx.HTTPError):
+                while not stop.is_set():  # until the test ends (or the engine stops under it)
+                    c.post("/v1/completions", headers={"X-Data-Parallel-Rank": "0"}, json={
+                        "model": eng.model, "prompt": f"client {n}: " + "word " * 300, "max_tokens": 2000,
+                        "ignore_eos": True, "temperature": 0})
+
+        # two streams are load enough; more starve the balancer of the two CPU cores the engine shares
+        workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(2)]
+        seen = [0.0, 0.0]
+        try:
+            for w in workers:
+                w.start()
+            deadline = time.monotonic() + 60
+            while seen[0] == 0 and time.monotonic() < deadline:
+                try:  # a CPU engine decoding flat out can keep the balancer off the cores for a while
+                    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+                except httpx.TimeoutException:
+                    continue
+                seen = [max(s, metric_sum(text, "ramjet_engine_load_units", rank=str(r))) for r, s in enumerate(seen)]
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            balancer.stop()
+            for w in workers:
+                w.join(timeout=30)
+        log = (tmp_path / "balancer.log").read_text()
+    print(f"\nreal vLLM: engine load seen by the balancer, rank 0 {seen[0]:g} units, rank 1 {seen[1]:g}")
+    assert "reading its load from vllm_metrics" in log, log[-2000:]
+    assert seen[0] > 0 and seen[1] == 0, seen
