@@ -40,7 +40,9 @@ class Admission(AttemptListener):
     def verdict(self, choice: Choice) -> tuple[str, int | None]:
         """What admission does with this decision now: `go` to the replica as ranked (None: none is routable),
         `elsewhere` at once to a runner-up with room, or `wait`. Explain shows it (edge/admin.py)."""
-        targets = self._targets(choice)
+        return self._verdict(choice, self._targets(choice))
+
+    def _verdict(self, choice: Choice, targets: list[tuple[int, int]]) -> tuple[str, int | None]:
         if not targets or self.rule.continues(choice.decision, targets[0][1], self._chunk):
             return "go", targets[0][0] if targets else None
         room = self._room(targets)
@@ -54,15 +56,16 @@ class Admission(AttemptListener):
         Sent where the ranking would send it, unless only a candidate further down (of the best
         CANDIDATES routable) has room: then there, first (decision reason `admission`)."""
         choice = o.choice
-        verdict, room = self.verdict(choice)
-        if verdict == "wait":
-            room = await self._hold(o, self._targets(choice))
-            choice = await decide()
         targets = self._targets(choice)
-        if room is not None and targets and targets[0][0] != room and self.fleet.is_routable(room):
-            choice = replace(choice, decision=replace(choice.decision,
-                                                      ranking=choice.decision.ranking.pinned(room, "admission")))
+        verdict, room = self._verdict(choice, targets)
+        if verdict == "wait":
+            room = await self._hold(o, targets)
+            choice = await decide()
             targets = self._targets(choice)
+        if room is not None and targets and targets[0][0] != room and self.fleet.is_routable(room):
+            d = choice.decision
+            choice = replace(choice, decision=replace(d, ranking=d.ranking.pinned(room, "admission")))
+            targets = [(room, self.rule.uncached_blocks(d, room, self._chunk))]
         if targets:
             self._count(o, *targets[0])
         return choice
