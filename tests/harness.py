@@ -98,6 +98,10 @@ class Stack:
     async def chat(self, text: str = "hello", **extra) -> httpx.Response:
         return await self.client.post("/v1/chat/completions", json=chat_body(text, **extra))
 
+    async def chat_messages(self, messages: list[dict], **extra) -> httpx.Response:
+        return await self.client.post("/v1/chat/completions",
+                                      json={"model": "glm-5.3", "messages": messages, "max_tokens": 4, **extra})
+
 
 @contextlib.asynccontextmanager
 async def stack(engines: int = 1, sim: dict | None = None, probes: bool = False, **rj: str):

@@ -30,7 +30,8 @@ def make_router(recording: Recording, placement: Placement, index_capacities: li
     return Router(placement.policy, placement.params(recording.params), placement.index_capacities(index_capacities),
                   max_prefix_bytes=0,  # unused: fingerprints come already cut at the recording's cap
                   balance_new_sessions=placement.new_sessions(recording.new_sessions) == "balance",
-                  session_hints=placement.session_hints(recording.session_hints))
+                  session_hints=placement.session_hints(recording.session_hints),
+                  in_flight=placement.in_flight(recording.in_flight))
 
 
 def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
@@ -38,7 +39,7 @@ def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
     if loads not in LOADS:
         raise ValueError(f"loads must be one of {', '.join(LOADS)}")
     held = [0.0] * recording.replicas
-    events: list[tuple[float, int, int, list, Decision | None]] = []  # (time, seq, kind, reservation, decision)
+    events: list[tuple] = []  # (time, seq, kind, reservation, decision or None, answered)
     choices = []
     for seq, r in enumerate(recording.requests):
         while events and events[0][0] <= r.ts:
@@ -48,6 +49,7 @@ def redecide(recording: Recording, router: Router, loads: str) -> list[int]:
         choice = decision.ranking.best
         reservation = [choice, decision.units(choice, router.params)]
         held[choice] += reservation[1]
+        router.sent(choice, decision)
         choices.append(choice)
         _schedule(events, seq, r, reservation, decision)
     return choices
@@ -57,19 +59,22 @@ _FIRST_BYTE, _END = 0, 1
 
 
 def _schedule(events: list, seq: int, r: Request, reservation: list, decision: Decision) -> None:
-    """A request's first byte (the router learns its prefix if it was answered) and its end."""
-    answered = decision if r.answered_by is not None else None
+    """A request's first byte (it is no longer in flight; the router learns its prefix if it was answered) and
+    its end (the same, for a request that never had a first byte)."""
+    answered = r.answered_by is not None
     if r.ttfb_s is not None:
-        heapq.heappush(events, (r.ts + r.ttfb_s, seq, _FIRST_BYTE, reservation, answered))
-        answered = None
-    heapq.heappush(events, (r.ts + r.duration_s, seq, _END, reservation, answered))
+        heapq.heappush(events, (r.ts + r.ttfb_s, seq, _FIRST_BYTE, reservation, decision, answered))
+        decision = None
+    heapq.heappush(events, (r.ts + r.duration_s, seq, _END, reservation, decision, answered))
 
 
 def _apply(event: tuple, held: list[float], router: Router) -> None:
-    _, _, kind, reservation, answered = event
+    _, _, kind, reservation, decision, answered = event
     replica, units = reservation
     keep = min(units, DECODE_UNITS) if kind == _FIRST_BYTE else 0.0
     held[replica] -= units - keep
     reservation[1] = keep
-    if answered is not None:
-        router.answered(replica, answered)
+    if decision is not None:
+        router.settled(replica, decision)
+        if answered:
+            router.answered(replica, decision)

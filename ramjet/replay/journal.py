@@ -51,6 +51,7 @@ class Recording:
     params: Params
     new_sessions: str                 # affinity | balance
     session_hints: bool               # the recording used the clients' session keys (routing/hints.py)
+    in_flight: bool                   # the recording's router knew the requests in flight (routing/in_flight.py)
     index_capacities: list[int] | None  # None: the journal has no header
     requests: list[Request]           # in arrival order
     notes: list[str]                  # what the replay cannot reproduce, for the report
@@ -85,13 +86,14 @@ def load_journal(path: str | Path) -> Recording:
     notes = lines.notes()
     if header:
         return Recording(name, replicas, header["policy"], Params(**header["params"]), header["new_sessions"],
-                         bool(header.get("session_hints")), list(header["index_capacities"]), requests, notes)
+                         bool(header.get("session_hints")), bool(header.get("in_flight")),
+                         list(header["index_capacities"]), requests, notes)
     policies = lines.policies
     balance = policies.pop("new_sessions", 0) > 0
     policy = policies.most_common(1)[0][0] if policies else POLICY_NAMES[0]  # all new sessions: the default basis
     hints = any(r.hint for r in requests)  # keys are journaled only when hints are on
-    return Recording(name, replicas, policy, Params(), "balance" if balance else "affinity", hints, None, requests,
-                     notes)
+    return Recording(name, replicas, policy, Params(), "balance" if balance else "affinity", hints, False, None,
+                     requests, notes)
 
 
 class _Lines:
@@ -153,7 +155,7 @@ class _Lines:
 
 def _settings(header: dict) -> tuple:
     return tuple(header.get(k) for k in ("policy", "params", "replicas", "index_capacities", "new_sessions",
-                                         "session_hints"))
+                                         "session_hints", "in_flight"))
 
 
 def _check_header(obj: dict, where: str) -> dict:
@@ -176,8 +178,9 @@ def _check_header(obj: dict, where: str) -> dict:
         problems.append("index_capacities must list one positive integer per replica")
     if obj.get("new_sessions") not in ("affinity", "balance"):
         problems.append("new_sessions must be affinity or balance")
-    if type(obj.get("session_hints", False)) is not bool:  # absent: a journal from before session hints
-        problems.append("session_hints must be true or false")
+    for flag in ("session_hints", "in_flight"):  # absent: a journal from before that setting
+        if type(obj.get(flag, False)) is not bool:
+            problems.append(f"{flag} must be true or false")
     if problems:
         raise JournalError(f"{where}: bad header: {'; '.join(problems)}")
     return obj

@@ -60,6 +60,7 @@ KEYS = {
     "new_sessions": (_new_sessions, None, "affinity or balance (RJ_ROUTE_NEW_SESSIONS)"),
     "index_capacity": (_positive_int, None, "blocks the index remembers per replica (RJ_ROUTE_INDEX_CAPACITY)"),
     "hints": (_on_off, None, "on or off: use the journal's hashed session keys (RJ_SESSION_HINTS)"),
+    "in_flight": (_on_off, None, "on or off: a request holding a whole prompt in flight continues it (RJ_ROUTE_IN_FLIGHT)"),
 }
 
 
@@ -82,6 +83,9 @@ class Placement:
 
     def session_hints(self, base: bool) -> bool:
         return dict(self.settings).get("hints", base)
+
+    def in_flight(self, base: bool) -> bool:
+        return dict(self.settings).get("in_flight", base)
 
     def index_capacities(self, base: list[int]) -> list[int]:
         capacity = dict(self.settings).get("index_capacity")

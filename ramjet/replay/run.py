@@ -68,6 +68,7 @@ def _is_recording(recording: Recording, p: Placement, capacities: list[int]) -> 
     return (p.policy == recording.policy and p.params(recording.params) == recording.params
             and p.new_sessions(recording.new_sessions) == recording.new_sessions
             and p.session_hints(recording.session_hints) == recording.session_hints
+            and p.in_flight(recording.in_flight) == recording.in_flight
             and p.index_capacities(capacities) == capacities)
 
 
@@ -76,5 +77,6 @@ def _describe(recording: Recording, capacities: list[int]) -> str:
     index = f"{capacities[0]} blocks" if len(set(capacities)) == 1 else f"{capacities} blocks"
     return (f"{recording.policy}: alpha={p.alpha:g}, cap={p.cap_blocks}, load_unit_bytes={p.load_unit_bytes}, "
             f"max_load_units={p.max_load_units}, new_sessions={recording.new_sessions}, "
-            f"hints={'on' if recording.session_hints else 'off'}, index {index} per replica, "
+            f"hints={'on' if recording.session_hints else 'off'}, in_flight={'on' if recording.in_flight else 'off'}, "
+            f"index {index} per replica, "
             f"{recording.replicas} replicas")

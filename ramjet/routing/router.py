@@ -21,6 +21,7 @@ from ramjet.routing.demand import Demand, shares
 from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.hints import session_hint
 from ramjet.routing.homes import Homes, stays_home
+from ramjet.routing.in_flight import InFlight
 from ramjet.routing.index import PrefixIndex, spread
 from ramjet.routing.policies import NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, Policy, Ranking, Rendezvous, rank
@@ -40,7 +41,7 @@ class Decision:
     ranking: Ranking
     new_session: bool        # placed as a new conversation (RJ_ROUTE_NEW_SESSIONS=balance)
     policy: str              # the policy that ranked it
-    continued: int = 0       # leading blocks an earlier answered request ended with (0: it continues none)
+    continued: int = 0       # leading blocks an earlier answered (or in flight) request ended with (0: none)
     hint: int = 0            # the hashed session key (routing/hints.py); 0: none, or session hints are off
     home: int | None = None  # the replica that last answered that key; None: the key is unknown (or no key)
     pinned: bool = False     # sent home because of the key (routing/homes.py), reason `session`
@@ -61,11 +62,12 @@ class Decision:
 class Router:
     def __init__(self, policy: str, params: Params, index_capacities: list[int], max_prefix_bytes: int,
                  balance_new_sessions: bool = False, session_hints: bool = False, hint_salt: bytes = b"",
-                 shortlist_above: int = DEFAULT_ABOVE):
+                 shortlist_above: int = DEFAULT_ABOVE, in_flight: bool = False):
         """`session_hints`: use the clients' conversation keys (not with a load-only policy); `hint_salt`
         keys their hash (the balancer draws one at start; the default is for tests and replays).
         `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
-        against a shortlist (routing/shortlist.py)."""
+        against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): a request that holds the
+        whole prompt of one still in flight continues it, there (routing/in_flight.py; approximate index only)."""
         self.params = params
         self.shortlist_above = shortlist_above
         self.policy: Policy = make_policy(policy, params)
@@ -79,6 +81,7 @@ class Router:
         self.session_hints = session_hints and self.policy.reads_overlap
         self.hint_salt = hint_salt
         self.homes = Homes()  # keyed conversations' homes (session hints)
+        self.in_flight = InFlight() if in_flight and self.policy.reads_overlap else None
 
     def decide(self, route: str, body: dict, loads: Sequence[float], serving: Sequence[bool],
                held: Sequence[float | None] | None = None, session_header: bytes | None = None) -> Decision:
@@ -100,6 +103,11 @@ class Router:
         n = len(self.index)
         groups = self.index.groups(fp.blocks) if self.policy.reads_overlap else [(0, (1 << n) - 1)] if n else []
         overlaps = spread(n, groups)
+        flying = 0  # leading blocks a request still in flight ends with (approximate index only)
+        if self.in_flight is not None and held is None:
+            flying, on = self.in_flight.deepest(fp.blocks)
+            if flying:
+                overlaps, groups = _with_in_flight(overlaps, flying, on)
         by_depth = {depth: fp.covered_bytes(depth) for depth, _ in groups}  # a few, however many replicas
         covered: Sequence[float] = _ByDepth(overlaps, by_depth)
         if held is not None and self.policy.reads_overlap:
@@ -107,7 +115,7 @@ class Router:
                 [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
             if n > self.shortlist_above:
                 groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
-        continued = self.conversations.continued_depth(fp.blocks) if self.balance_new_sessions else 0
+        continued = max(self.conversations.continued_depth(fp.blocks), flying) if self.balance_new_sessions else 0
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
         new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued)
@@ -152,6 +160,17 @@ class Router:
             return False
         return not self.pressure.high()
 
+    def sent(self, replica: int, decision: Decision) -> None:
+        """The request was sent to `replica`: until `settled`, a request that holds its whole prompt continues it
+        there (RJ_ROUTE_IN_FLIGHT)."""
+        if self.in_flight is not None:
+            self.in_flight.sent(replica, decision.fingerprint.settled_blocks)
+
+    def settled(self, replica: int, decision: Decision) -> None:
+        """The request sent to `replica` got its first byte (then `answered`, if 2xx) or failed."""
+        if self.in_flight is not None:
+            self.in_flight.done(replica, decision.fingerprint.settled_blocks)
+
     def answered(self, replica: int, decision: Decision, now: float = 0.0) -> None:
         """`replica` answered 2xx at `now` (the caller's clock): it now holds the request's prefix.
 
@@ -175,6 +194,18 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
+
+
+def _with_in_flight(overlaps: list[int], depth: int, on: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The overlaps with the replicas in `on` holding at least `depth` blocks (a request in flight there ends
+    at that depth), and their groups as PrefixIndex.groups gives them."""
+    overlaps = list(overlaps)
+    for i in on:
+        overlaps[i] = max(overlaps[i], depth)
+    masks: dict[int, int] = {}
+    for i, o in enumerate(overlaps):
+        masks[o] = masks.get(o, 0) | 1 << i
+    return overlaps, sorted(masks.items())
 
 
 class _ByDepth(Sequence[float]):

@@ -90,13 +90,21 @@ class Fencing(AttemptListener):
 
 
 class Learning(AttemptListener):
-    """A 2xx first byte: the replica now holds the request's prefix (the router's index, and its gauge)."""
+    """A 2xx first byte: the replica now holds the request's prefix (the router's index, and its gauge).
+    Until then the request is in flight there (Router.sent, Router.settled)."""
 
     def __init__(self, router: Router, metrics: Metrics, labels: list[tuple[str, str, str]]):
         self.router = router
         self.gauges = [metrics.for_replica(x).index_blocks for x in labels]
 
+    def sent(self, o: Outcome, i: int) -> None:
+        self.router.sent(i, o.choice.decision)
+
+    def failed(self, o: Outcome, i: int, reason: str) -> None:
+        self.router.settled(i, o.choice.decision)
+
     def first_byte(self, o: Outcome, i: int, status: int) -> None:
+        self.router.settled(i, o.choice.decision)
         if ok(status):
             self.router.answered(i, o.choice.decision, time.monotonic())
             self.gauges[i].set(self.router.index.size(i))

@@ -31,7 +31,7 @@ def routing_header(router: Router, settings: Settings, replicas: list[Replica]) 
               "index_capacities": [settings.index_capacity_for(r.kv_capacity_tokens) for r in replicas],
               "max_prefix_bytes": router.max_prefix_bytes,
               "new_sessions": "balance" if router.balance_new_sessions else "affinity",
-              "session_hints": router.session_hints}
+              "session_hints": router.session_hints, "in_flight": router.in_flight is not None}
     if settings.load_model is not None:  # the Rust Ramjet's decode load model (a replay models ours: a note)
         header["load_model"] = asdict(settings.load_model)
     return header
