@@ -10,7 +10,7 @@ import pytest
 from harness import stack
 from ramjet.replay.placements import PlacementError, parse_placements
 from ramjet.routing.fingerprint import fingerprint
-from ramjet.routing.in_flight import InFlight
+from ramjet.routing.in_flight import InFlight, merged
 from ramjet.routing.policy import Params
 from ramjet.routing.router import Router
 
@@ -37,44 +37,58 @@ def router(in_flight: bool = True) -> Router:
 
 
 @pytest.mark.unit
-def test_the_deepest_end_in_flight_is_found_and_forgotten_when_settled():
+def test_requests_in_flight_hold_their_prefix_until_settled():
     f = InFlight()
-    f.sent(2, [1, 2, 3])
-    f.sent(1, [1, 2, 3, 4, 5])
-    f.sent(3, [1, 2, 3])
+    f.sent(10, 2, [1, 2, 3], 3)
+    f.sent(11, 1, [1, 2, 3, 4, 5], 5)
+    f.sent(12, 3, [1, 2, 3], 3)
     assert f.deepest([1, 2, 3, 4, 5, 6]) == (5, [1])
     assert f.deepest([1, 2, 3, 9]) == (3, [2, 3])
     assert f.deepest([1, 2, 9]) == (0, [])  # shares part of a chain, ends with none
-    f.done(1, [1, 2, 3, 4, 5])
-    f.done(2, [1, 2, 3])
-    assert f.deepest([1, 2, 3, 4, 5, 6]) == (3, [3])
-    f.done(3, [1, 2, 3])
-    f.done(3, [1, 2, 3])  # told twice (or never sent): ignored
-    assert f.deepest([1, 2, 3, 4, 5, 6]) == (0, []) and len(f) == 0
-    f.sent(0, [])  # a prompt too short for one settled block: nothing to find
-    assert len(f) == 0
+    # every depth some replica's match ends at: replicas 2 and 3 hold three blocks, replica 1 five
+    assert f.groups([1, 2, 3, 4, 5, 6]) == [(3, 0b1100), (5, 0b0010)]
+    assert f.groups([1, 2, 9]) == [(2, 0b1110)]
+    assert f.groups([7, 8]) == [] and f.groups([]) == []
+    f.done(11)
+    f.done(10)
+    assert f.deepest([1, 2, 3, 4, 5, 6]) == (3, [3]) and f.groups([1, 2, 3, 4]) == [(3, 0b1000)]
+    f.done(12)
+    f.done(12)  # told twice (or never sent): ignored
+    assert f.deepest([1, 2, 3, 4, 5, 6]) == (0, []) and f.groups([1, 2, 3]) == [] and len(f) == 0
+    f.sent(13, 0, [4], 0)  # a prompt too short for one settled block holds its block but ends nowhere
+    assert f.groups([4, 5]) == [(1, 0b1)] and f.deepest([4, 5]) == (0, [])
 
 
 @pytest.mark.unit
 def test_two_requests_of_one_prompt_on_one_replica_count_twice():
     f = InFlight()
-    f.sent(0, [1, 2])
-    f.sent(0, [1, 2])
-    f.done(0, [1, 2])
-    assert f.deepest([1, 2, 3]) == (2, [0])
-    f.done(0, [1, 2])
-    assert f.deepest([1, 2, 3]) == (0, [])
+    f.sent(1, 0, [1, 2], 2)
+    f.sent(2, 0, [1, 2], 2)
+    f.done(1)
+    assert f.deepest([1, 2, 3]) == (2, [0]) and f.groups([1, 2, 3]) == [(2, 0b1)]
+    f.done(2)
+    assert f.deepest([1, 2, 3]) == (0, []) and f.groups([1, 2, 3]) == []
 
 
 @pytest.mark.unit
-def test_ends_never_told_are_forgotten_past_the_capacity():
+def test_requests_never_settled_are_forgotten_past_the_capacity():
     f = InFlight(capacity=3)
-    for end in range(10):
-        f.sent(0, [end])
+    for n in range(10):
+        f.sent(n, 0, [n], 1)
     assert len(f) == 3
-    assert f.deepest([0]) == (0, []) and f.deepest([9]) == (1, [0])
+    assert f.deepest([0]) == (0, []) and f.deepest([9]) == (1, [0]) and f.groups([0]) == []
+    f.sent(9, 1, [9], 1)  # the same request sent again (another attempt): it moves
+    assert f.deepest([9]) == (1, [1]) and len(f) == 3
     with pytest.raises(ValueError):
         InFlight(capacity=0)
+
+
+@pytest.mark.unit
+def test_in_flight_groups_lay_over_the_index_groups_deeper_wins():
+    index = [(0, 0b0011), (4, 0b1100)]  # replicas 2 and 3 hold 4 blocks, 0 and 1 none
+    flying = [(2, 0b0110), (6, 0b1000)]  # in flight: 2 blocks on 1 and 2, 6 on 3
+    assert merged(index, flying) == [(0, 0b0001), (2, 0b0010), (4, 0b0100), (6, 0b1000)]
+    assert merged(index, []) == index
 
 
 @pytest.mark.unit
@@ -94,7 +108,7 @@ def test_a_next_turn_sent_before_the_first_was_answered_continues_it_on_its_repl
     alone = off.decide("chat", chat(next_turn(first_turn(1))), loads, ALL)
     assert alone.new_session and alone.ranking.best != 2
     # a failed first turn leaves nothing behind
-    r.settled(2, first)
+    r.settled(first)
     again = r.decide("chat", chat(next_turn(first_turn(1))), loads, ALL)
     assert again.new_session and again.ranking.best != 2
 

@@ -75,6 +75,6 @@ def _apply(event: tuple, held: list[float], router: Router) -> None:
     held[replica] -= units - keep
     reservation[1] = keep
     if decision is not None:
-        router.settled(replica, decision)
+        router.settled(decision)
         if answered:
             router.answered(replica, decision)

@@ -21,7 +21,7 @@ from ramjet.routing.demand import Demand, shares
 from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.hints import session_hint
 from ramjet.routing.homes import Homes, stays_home
-from ramjet.routing.in_flight import InFlight
+from ramjet.routing.in_flight import InFlight, merged
 from ramjet.routing.index import PrefixIndex, spread
 from ramjet.routing.policies import NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, Policy, Ranking, Rendezvous, rank
@@ -66,8 +66,8 @@ class Router:
         """`session_hints`: use the clients' conversation keys (not with a load-only policy); `hint_salt`
         keys their hash (the balancer draws one at start; the default is for tests and replays).
         `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
-        against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): a request that holds the
-        whole prompt of one still in flight continues it, there (routing/in_flight.py; approximate index only)."""
+        against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): requests sent and not yet
+        answered count as holding their prefix on their replica (routing/in_flight.py; approximate index only)."""
         self.params = params
         self.shortlist_above = shortlist_above
         self.policy: Policy = make_policy(policy, params)
@@ -105,9 +105,11 @@ class Router:
         overlaps = spread(n, groups)
         flying = 0  # leading blocks a request still in flight ends with (approximate index only)
         if self.in_flight is not None and held is None:
-            flying, on = self.in_flight.deepest(fp.blocks)
-            if flying:
-                overlaps, groups = _with_in_flight(overlaps, flying, on)
+            ahead = self.in_flight.groups(fp.blocks)
+            if ahead:  # requests in flight will leave some of this prefix on their replicas
+                groups = merged(groups, ahead)
+                overlaps = spread(n, groups)
+                flying = self.in_flight.deepest(fp.blocks)[0]
         by_depth = {depth: fp.covered_bytes(depth) for depth, _ in groups}  # a few, however many replicas
         covered: Sequence[float] = _ByDepth(overlaps, by_depth)
         if held is not None and self.policy.reads_overlap:
@@ -161,15 +163,16 @@ class Router:
         return not self.pressure.high()
 
     def sent(self, replica: int, decision: Decision) -> None:
-        """The request was sent to `replica`: until `settled`, a request that holds its whole prompt continues it
-        there (RJ_ROUTE_IN_FLIGHT)."""
+        """The request was sent to `replica`: until `settled`, its prefix counts as held there, and a request that
+        holds its whole prompt continues it (RJ_ROUTE_IN_FLIGHT). One attempt of a request at a time."""
         if self.in_flight is not None:
-            self.in_flight.sent(replica, decision.fingerprint.settled_blocks)
+            fp = decision.fingerprint
+            self.in_flight.sent(id(decision), replica, fp.blocks, len(fp.settled_blocks))
 
-    def settled(self, replica: int, decision: Decision) -> None:
-        """The request sent to `replica` got its first byte (then `answered`, if 2xx) or failed."""
+    def settled(self, decision: Decision) -> None:
+        """The request got its first byte (then `answered`, if 2xx) or failed: it is no longer in flight."""
         if self.in_flight is not None:
-            self.in_flight.done(replica, decision.fingerprint.settled_blocks)
+            self.in_flight.done(id(decision))
 
     def answered(self, replica: int, decision: Decision, now: float = 0.0) -> None:
         """`replica` answered 2xx at `now` (the caller's clock): it now holds the request's prefix.
@@ -194,18 +197,6 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
-
-
-def _with_in_flight(overlaps: list[int], depth: int, on: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """The overlaps with the replicas in `on` holding at least `depth` blocks (a request in flight there ends
-    at that depth), and their groups as PrefixIndex.groups gives them."""
-    overlaps = list(overlaps)
-    for i in on:
-        overlaps[i] = max(overlaps[i], depth)
-    masks: dict[int, int] = {}
-    for i, o in enumerate(overlaps):
-        masks[o] = masks.get(o, 0) | 1 << i
-    return overlaps, sorted(masks.items())
 
 
 class _ByDepth(Sequence[float]):

@@ -101,10 +101,10 @@ class Learning(AttemptListener):
         self.router.sent(i, o.choice.decision)
 
     def failed(self, o: Outcome, i: int, reason: str) -> None:
-        self.router.settled(i, o.choice.decision)
+        self.router.settled(o.choice.decision)
 
     def first_byte(self, o: Outcome, i: int, status: int) -> None:
-        self.router.settled(i, o.choice.decision)
+        self.router.settled(o.choice.decision)
         if ok(status):
             self.router.answered(i, o.choice.decision, time.monotonic())
             self.gauges[i].set(self.router.index.size(i))
