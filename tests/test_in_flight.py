@@ -81,6 +81,12 @@ def test_requests_never_settled_are_forgotten_past_the_capacity():
     assert f.deepest([9]) == (1, [1]) and len(f) == 3
     with pytest.raises(ValueError):
         InFlight(capacity=0)
+    few = InFlight(max_blocks=5)  # bounded by blocks too: the oldest goes, never the one just sent
+    few.sent(1, 0, [1, 2, 3], 3)
+    few.sent(2, 1, [7, 8, 9], 3)
+    assert few.deepest([1, 2, 3]) == (0, []) and few.deepest([7, 8, 9]) == (3, [1])
+    few.sent(3, 2, list(range(100, 110)), 10)  # larger than the bound alone: kept while it is the only one
+    assert len(few) == 1 and few.groups([7, 8]) == [] and few.groups([100, 101]) == [(2, 0b100)]
 
 
 @pytest.mark.unit
