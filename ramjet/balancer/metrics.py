@@ -177,6 +177,11 @@ class Metrics:
                                   "time every client waits on top of its request",
                                   buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
                                   registry=r)
+        self.gc_pauses = Histogram("ramjet_gc_pause_seconds",
+                                   "How long each garbage collection stopped the balancer, by generation (2: the "
+                                   "oldest, which walks every tracked object)", ("generation",),
+                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+                                   registry=r)
         self._prompt_total = 0
         self._cached_total = 0
         self._replicas: dict[tuple[str, str, str], ReplicaMetrics] = {}

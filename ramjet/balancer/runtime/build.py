@@ -31,6 +31,7 @@ from ramjet.balancer.proxy.journal import Journal, routing_header
 from ramjet.balancer.proxy.outcome import Recorder
 from ramjet.balancer.proxy.relay import PASSED_RESPONSE_HEADERS
 from ramjet.balancer.proxy.samples import Samples
+from ramjet.balancer.runtime.gc_pauses import GcPauses
 from ramjet.balancer.runtime.memory import Memory
 from ramjet.config import Settings
 from ramjet.routing.admission import AdmissionRule
@@ -43,12 +44,14 @@ LAG_SAMPLE_S = 0.25
 SAMPLE_S = 1.0  # the dashboard's history: one sample a second (proxy/samples.py)
 
 
-async def watch_loop_lag(metrics: Metrics) -> None:
-    """Sleep LAG_SAMPLE_S again and again; whatever more than that passes is time the loop was busy."""
+async def watch_loop_lag(metrics: Metrics, gc_pauses: GcPauses) -> None:
+    """Sleep LAG_SAMPLE_S again and again; whatever more than that passes is time the loop was busy. Each time,
+    the garbage collector's pauses noted since are recorded too."""
     while True:
         started = time.monotonic()
         await asyncio.sleep(LAG_SAMPLE_S)
         metrics.loop_lag.observe(max(time.monotonic() - started - LAG_SAMPLE_S, 0.0))
+        gc_pauses.flush()
 
 
 async def sample_every_second(samples: Samples, fleet: Fleet, replicas: int) -> None:
@@ -77,12 +80,17 @@ class Balancer:
     samples: Samples | None = None         # the dashboard's history (proxy/samples.py)
     draining: bool = False  # set by `ramjet serve` on SIGTERM: not ready, still serving (server/serve.py)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    _gc_pauses: GcPauses = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._gc_pauses = GcPauses(self.metrics)
 
     async def start(self) -> None:
         if self.memory is not None:  # before any stream is followed: the saved views say where to resume
             await self.memory.start()  # asks each engine who it is (SGLang's /server_info: at most 10 s)
             self._tasks.append(asyncio.create_task(self.memory.keep()))
-        self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics)))
+        self._gc_pauses.start()
+        self._tasks.append(asyncio.create_task(watch_loop_lag(self.metrics, self._gc_pauses)))
         if self.samples is not None:
             self._tasks.append(asyncio.create_task(sample_every_second(self.samples, self.fleet, len(self.replicas))))
         if self.prober is not None:
@@ -96,6 +104,7 @@ class Balancer:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._gc_pauses.stop()
         if self.memory is not None:
             await self.memory.save(final=True)
         if self.precise is not None:
