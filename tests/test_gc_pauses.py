@@ -42,3 +42,24 @@ async def test_the_balancer_exports_its_collections():
         await s.chat()
         await s.balancer.stop()  # flushes what is noted
         assert await s.metric("ramjet_gc_pause_seconds_count", generation="2") >= 1
+
+
+@pytest.mark.e2e
+def test_ramjet_serve_takes_the_state_built_at_start_out_of_every_collection(tmp_path):
+    """What `ramjet serve` freezes once the balancer is built: the prefix index's dicts are never walked again,
+    however large they grow. In a child process, so that the freeze stays there."""
+    import subprocess
+    import sys
+    code = (
+        "import gc\n"
+        "from ramjet.balancer.server.serve import freeze_what_lives_for_ever\n"
+        "from ramjet.routing.index import PrefixIndex\n"
+        "ix = PrefixIndex([100_000] * 8)\n"
+        "freeze_what_lives_for_ever()\n"
+        "for r in range(8):\n"
+        "    ix.record(r, list(range(r * 50_000, (r + 1) * 50_000)))\n"
+        "walked = {id(o) for o in gc.get_objects()}\n"
+        "print(gc.get_freeze_count() > 0, id(ix._holders) in walked, any(id(d) in walked for d in ix._lru))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout

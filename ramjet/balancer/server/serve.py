@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import resource
@@ -106,6 +107,7 @@ async def serve(settings: Settings, replicas: list[Replica], role: WorkerRole | 
     leads = role is None or role.leader  # of several workers, worker 0 serves the other listeners and saves state
     balancer = build_balancer(settings, replicas, Metrics(str(role.metrics_dir)) if role else None,
                               writes_state=leads)
+    freeze_what_lives_for_ever()
     drains = None
     if role is not None:
         drains = SharedDrains(role, balancer.fleet)
@@ -136,6 +138,19 @@ async def serve(settings: Settings, replicas: list[Replica], role: WorkerRole | 
     finally:
         if follow is not None:
             follow.cancel()
+
+
+def freeze_what_lives_for_ever() -> None:
+    """Move every object alive now out of the garbage collector's sight (gc.freeze).
+
+    The balancer's state lives in a few big dicts made at build time (the prefix index, precise
+    mode's views); their contents are ints, which the collector never tracks, but a collection of
+    the oldest generation walks every entry of every dict it sees: about 300 ms for 600,000 entries,
+    a pause of every request in the process (ramjet_gc_pause_seconds). Frozen, those dicts are never
+    walked again; they live as long as the process, so nothing is kept that would have been freed.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 class Listener(uvicorn.Server):
