@@ -207,7 +207,24 @@ def counted(text: str) -> dict:
                                                 upstream=str(HOSTILE["small"])),
             "small_events_applied": metric_sum(text, "ramjet_kv_events_total", upstream=str(HOSTILE["small"])),
             "huge_events_applied": metric_sum(text, "ramjet_kv_events_total", upstream=str(HOSTILE["huge"])),
-            "real_events_applied": sum(metric_sum(text, "ramjet_kv_events_total", upstream=str(r)) for r in (0, 1))}
+            "real_events_applied": sum(metric_sum(text, "ramjet_kv_events_total", upstream=str(r)) for r in (0, 1)),
+            "gc_pauses": gc_pauses(text)}
+
+
+GC_BOUNDS = ("0.0005", "0.001", "0.002", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "+Inf")
+
+
+def gc_pauses(text: str) -> dict:
+    """The balancer's garbage collections by generation: how many, their total seconds, and the bucket bound
+    under which the longest one fell (ramjet_gc_pause_seconds)."""
+    out = {}
+    for gen in ("0", "1", "2"):
+        n = metric_sum(text, "ramjet_gc_pause_seconds_count", generation=gen)
+        longest = next((b for b in GC_BOUNDS
+                        if metric_sum(text, "ramjet_gc_pause_seconds_bucket", generation=gen, le=b) >= n), "+Inf")
+        out[gen] = {"count": int(n), "seconds": round(metric_sum(text, "ramjet_gc_pause_seconds_sum", generation=gen), 3),
+                    "longest_under_s": longest}
+    return out
 
 
 async def settle(url: str, sent_small: int, timeout: float) -> tuple[str, list]:
@@ -323,6 +340,8 @@ def describe(r: dict) -> str:
         f"{c['small_events_applied']:,.0f}, `huge` {c['huge_events_applied']:,.0f}, the real ranks' "
         f"{c['real_events_applied']:,.0f}",
         f"`small` batches applied after the flood, by the second: {r['small_drained']}",
+        "garbage collections (generation: count, total s, longest under s): " + "; ".join(
+            f"{gen}: {g['count']}, {g['seconds']}, {g['longest_under_s']}" for gen, g in c["gc_pauses"].items()),
     ]
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ ahead of PYTHONPATH), so another checkout is measured through PYTHONPATH; the he
     python benchmarks/proxy_overhead.py --skip-router --workers 2  # RJ_WORKERS=2 (precise mode, as it requires)
     python benchmarks/proxy_overhead.py --skip-router --precise    # one worker, precise mode: the comparison
     python benchmarks/proxy_overhead.py --skip-router --viewer --baseline /tmp/orig  # the dashboard's cost
+    python benchmarks/proxy_overhead.py --granian --smg             # the same app under granian; smg beside
 
 With --precise or --workers N > 1 the simulator publishes KV events (with a replay socket) and the balancer
 routes on them (RJ_KV_EVENTS=zmq, the simulator's tokenizer), since RJ_WORKERS > 1 requires it. Proxy CPU is
@@ -250,6 +251,17 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
         children[-1].viewer = Viewer(admin)
         children[-1].viewer.start()
         targets.append(("ramjet-viewed", f"http://{HOST}:{port}", children[-1]))
+    if args.granian:  # the same balancer's app under granian (benchmarks/granian_app.py): the HTTP server's share
+        port = free_port()
+        binary = Path(py).with_name("granian")
+        children.append(Child("ramjet-granian", [
+            str(binary) if binary.exists() else "granian", "--interface", "asgi", "--loop", "uvloop", "--host", HOST,
+            "--port", str(port), "--workers", "1", "--no-ws", "--log-level", "warning", "granian_app:app"],
+            {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "RJ_ADMIN_ADDR": f"{HOST}:{free_port()}",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))},
+            workdir))
+        children[-1].wait_ready(f"http://{HOST}:{port}", 60)
+        targets.append(("ramjet-granian", f"http://{HOST}:{port}", children[-1]))
     if args.baseline:  # the same balancer from another checkout, in the same run
         port = free_port()
         base_env = {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "RJ_ADMIN_ADDR": f"{HOST}:{free_port()}",
@@ -269,6 +281,14 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
             "--prometheus-port", str(free_port()), "--log-level", "warn"], env, workdir))
         children[-1].wait_ready(f"http://{HOST}:{port}", 90)
         targets.append(("sglang-router", f"http://{HOST}:{port}", children[-1]))
+    if args.smg:  # the SGLang model gateway, as bench compare starts it (its workers registered before the run)
+        port = free_port()  # `python -m smg`: sglang-router 0.3.2 installs a console script named smg too
+        children.append(Child("smg", [
+            py, "-m", "smg", "launch", "--worker-urls", sim_url, "--policy", "cache_aware",
+            "--dp-aware", "--host", HOST, "--port", str(port), "--prometheus-host", HOST,
+            "--prometheus-port", str(free_port()), "--log-level", "warn"], env, workdir))
+        children[-1].wait_ready(f"http://{HOST}:{port}", 90)
+        targets.append(("smg", f"http://{HOST}:{port}", children[-1]))
     return targets, sim
 
 
@@ -520,6 +540,9 @@ def main() -> int:
     ap.add_argument("--baseline", metavar="DIR", help="also run the balancer of the checkout at DIR (before/after)")
     ap.add_argument("--workers", type=int, default=1, help="RJ_WORKERS for the balancer (> 1 implies --precise)")
     ap.add_argument("--precise", action="store_true", help="KV events from the simulator, RJ_KV_EVENTS=zmq")
+    ap.add_argument("--granian", action="store_true",
+                    help="also the balancer's app under granian (ramjet-granian; benchmarks/granian_app.py)")
+    ap.add_argument("--smg", action="store_true", help="also smg 1.13 (cache_aware, --dp-aware) in front of it")
     ap.add_argument("--viewer", action="store_true",
                     help="also a balancer with one dashboard viewer polling it (ramjet-viewed)")
     ap.add_argument("--idle-seconds", type=float, default=30.0, help="with --viewer: the idle measurement's length")
