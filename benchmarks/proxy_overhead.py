@@ -254,8 +254,11 @@ def start_all(args, env: dict[str, str], workdir: Path, children: list[Child]) -
     if args.granian:  # the same balancer's app under granian (benchmarks/granian_app.py): the HTTP server's share
         port = free_port()
         binary = Path(py).with_name("granian")
+        binary = str(binary) if binary.exists() else shutil.which("granian")
+        if not binary:
+            raise StartError("granian is not installed (pip install granian==2.8.7); or leave out --granian")
         children.append(Child("ramjet-granian", [
-            str(binary) if binary.exists() else "granian", "--interface", "asgi", "--loop", "uvloop", "--host", HOST,
+            binary, "--interface", "asgi", "--loop", "uvloop", "--host", HOST,
             "--port", str(port), "--workers", "1", "--no-ws", "--log-level", "warning", "granian_app:app"],
             {**bal_env, "RJ_API_ADDR": f"{HOST}:{port}", "RJ_ADMIN_ADDR": f"{HOST}:{free_port()}",
              "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))},
