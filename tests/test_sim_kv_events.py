@@ -400,12 +400,13 @@ def test_bad_event_settings_are_refused():
 
 @pytest.mark.e2e
 def test_a_restarted_process_starts_a_new_stream_at_zero(tmp_path):
-    base, port = free_ports(4), free_ports(1)
+    base = free_ports(4)  # the event ports stay: a restart publishes on the same ones
     args = ["--dp-size", "2", "--page-tokens", str(PAGE), "--time-scale", "200", "--kv-events-format", "vllm",
             "--kv-events-config", events_config("vllm", base), "--tokenizer", SHIPPED_DIR]
     ctx = zmq.Context()
     try:
         for run in range(2):
+            port = free_ports(1)  # a fresh HTTP port: the last one may be taken by then
             proc = start_sim(port, *args, log_path=tmp_path / f"sim{run}.log")
             try:
                 body = chat(filler(40, 50 + run), max_tokens=1, routed_dp_rank=1)

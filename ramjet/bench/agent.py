@@ -60,17 +60,25 @@ class Turn:
         """
         return f"conv-{salt}-{self.conv}"
 
-    def body(self, model: str, stream: bool = True, session_key: str | None = None) -> dict:
-        """The request body; `session_key`: sent as OpenAI's `prompt_cache_key` (the conversation's id)."""
+    def body(self, model: str, stream: bool = True, session_key: str | None = None,
+             max_tokens_sent: int | None = None) -> dict:
+        """The request body; `session_key`: sent as OpenAI's `prompt_cache_key` (the conversation's id).
+
+        The answer is `max_tokens` long: by default sent as the limit itself (`ignore_eos`), which a balancer
+        reading the limit (the Rust Ramjet's decode load model) sees as an exact forecast. `max_tokens_sent`
+        sends a cap instead, as coding agents do, and the length as SGLang's `min_tokens`: the engine writes
+        at least that, then stops at its own end of text (the simulator's, 16-255 tokens, sim/protocol.py).
+        """
         b = {
             "model": model,
             "messages": self.messages,
             "tools": self.tools,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_tokens if max_tokens_sent is None else max_tokens_sent,
             "min_tokens": self.max_tokens,
-            "ignore_eos": True,
-            "stream": stream,
         }
+        if max_tokens_sent is None:
+            b["ignore_eos"] = True
+        b["stream"] = stream
         if stream:
             b["stream_options"] = {"include_usage": True}
         if session_key is not None:

@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--placements", type=_csv(str), default=["direct", "relative", "sglang-router"],
                    help=f"comma list from {','.join(cmp.PLACEMENTS)}; a ramjet placement may carry RJ_NAME=VALUE "
                         "settings after colons, a peer its own --flag=value arguments, any placement the client "
-                        "item +session-keys (requests carry prompt_cache_key = their conversation's id); a value "
+                        "items +session-keys (requests carry prompt_cache_key = their conversation's id) and "
+                        "+max-tokens=N (requests carry max_tokens N, a cap, not the answer's length); a value "
                         "a|b makes a grid (default direct,relative,sglang-router)")
     c.add_argument("--sweep", action="append", default=[], metavar="PEER",
                    help="add PEER's documented grid over its routing knobs to the placements (repeatable; "

@@ -17,7 +17,8 @@ Placements (placements.py, peers.py; docs/benchmarks.md has how each is started 
   peer's best setting per cell can be found (summary.md names the best of each kind).
   Any placement may carry client items, `+NAME[=VALUE]`: `relative:+session-keys` sends each
   request with `prompt_cache_key` = its conversation's id, so `relative,relative:+session-keys`
-  compares our balancer without and with session hints in one run.
+  compares our balancer without and with session hints in one run; `+max-tokens=N` sends `max_tokens` N,
+  a cap as agents send one, where by default it is each answer's exact length.
 
 With --repeat N every cell runs N times, the placements of one repeat back to back (interleaved, so a
 slow spell of the machine hits them alike), each run with a seed of its own; summary.md then adds each
@@ -161,7 +162,8 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
                                seed=row["seed"], salt=salt, request_timeout=cfg.request_timeout,
                                workload=cfg.workload, stats_urls=sim_urls,
                                requests_jsonl=str(out / "requests" / f"{name}.jsonl"), progress=cfg.progress,
-                               label=f"[{index + 1}/{total} {name}] ", session_keys=placement.session_keys)
+                               label=f"[{index + 1}/{total} {name}] ", session_keys=placement.session_keys,
+                               max_tokens_sent=placement.max_tokens_sent)
             cpu0, wall0 = cpu_snapshot(started), time.monotonic()
             result = asyncio.run(run_swarm(scfg))
             cpu = cpu_share(cpu0, cpu_snapshot(started), time.monotonic() - wall0)

@@ -14,7 +14,9 @@ Items are RJ_NAME=VALUE settings after a ramjet placement (they win over the com
 --flag[=value] arguments after a peer: `smg:--balance-abs-threshold=4:--cache-threshold=0.8`. Client items,
 `+NAME[=VALUE]` after any placement, change what the load sends, not what routes it (CLIENT_ITEMS):
 `relative:+session-keys` sends every request with OpenAI's `prompt_cache_key` set to its conversation's id
-(`+session-keys=off`, the default, sends none). A value written `a|b|c` makes a grid, which
+(`+session-keys=off`, the default, sends none); `+max-tokens=N` sends every request with `max_tokens` N, a
+cap as coding agents send one, and `min_tokens` the answer's length (`+max-tokens=answer`, the default, sends
+the answer's own length as `max_tokens`: exact, but what no real client knows). A value written `a|b|c` makes a grid, which
 `expand_placements` turns into one placement per combination (`relative:+session-keys=on|off`).
 
 The seam `ramjet bench compare` and the trace replay share: start a placement in front of running simulators,
@@ -56,7 +58,10 @@ RUST_BUNDLE = {"RJ_ROUTE_AFFINITY_BASIS": "relative", "RJ_ROUTE_ALPHA": "4", "RJ
                "RJ_ROUTE_DECODE_MAX_LOAD_UNITS": "4", "RJ_ROUTE_NEW_SESSIONS": "affinity"}
 _SETTING = re.compile(r"RJ_[A-Z0-9_]+")
 # client items (`+NAME[=VALUE]`): what the load sends; a bare name takes the first value
-CLIENT_ITEMS = {"session-keys": ("on", "off")}  # on: prompt_cache_key = the conversation's id (Turn.session_key)
+CLIENT_ITEMS = {
+    "session-keys": ("on", "off"),  # on: prompt_cache_key = the conversation's id (Turn.session_key)
+    "max-tokens": ("answer", "N"),  # N, a whole number: max_tokens = N, a client's cap (Turn.body)
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,12 @@ class Placement:
     def session_keys(self) -> bool:
         """Does the load send each conversation's id as `prompt_cache_key` (`+session-keys`)?"""
         return self.client.get("session-keys") == "on"
+
+    @property
+    def max_tokens_sent(self) -> int | None:
+        """The `max_tokens` every request carries (`+max-tokens=N`); None: each its answer's own length."""
+        value = self.client.get("max-tokens", "answer")
+        return None if value == "answer" else int(value)
 
     def for_engines(self, engines: int, dp_size: int = 8) -> Placement:
         """This placement with what its `engines` simulators need planned (precise: free KV event ports)."""
@@ -241,7 +252,9 @@ def _client_items(text: str, items: list[str]) -> dict[str, str]:
         if key not in CLIENT_ITEMS:
             raise ValueError(f"placement {text!r}: unknown client item {item!r}; known: {known}")
         value = value if sep else CLIENT_ITEMS[key][0]
-        if value not in CLIENT_ITEMS[key] or key in out:
+        choices = CLIENT_ITEMS[key]
+        valid = value in choices and value != "N" or "N" in choices and value.isdigit() and int(value) >= 1
+        if not valid or key in out:
             raise ValueError(f"placement {text!r}: {item!r}: expected +{key} once, with one of "
                              f"{', '.join(CLIENT_ITEMS[key])}")
         out[key] = value

@@ -54,6 +54,7 @@ class SwarmConfig:
     label: str = ""                     # prefix of the progress line
     floor_probes: int = 5               # tiny requests before the run: the path's own latency (0 = skip)
     session_keys: bool = False          # requests carry prompt_cache_key: their conversation's id (Turn.session_key)
+    max_tokens_sent: int | None = None  # every request's max_tokens, a client's cap; None: its answer's length
 
     def __post_init__(self):
         if not self.urls:
@@ -152,7 +153,8 @@ class Swarm:
         idx = self._rr % n_urls
         self._rr += 1
         url = cfg.urls[idx] + cfg.path
-        body = orjson.dumps(turn.body(cfg.model, session_key=turn.session_key(cfg.salt) if cfg.session_keys else None))
+        body = orjson.dumps(turn.body(cfg.model, session_key=turn.session_key(cfg.salt) if cfg.session_keys else None,
+                                      max_tokens_sent=cfg.max_tokens_sent))
         rec = RequestRecord(turn.dev, turn.task, turn.conv, turn.kind, turn.turn, self.now(),
                             est_prompt_tokens=turn.est_prompt_tokens, max_tokens=turn.max_tokens)
         t_start = time.monotonic()

@@ -66,9 +66,13 @@ class TraceCellsConfig:
     def __post_init__(self):
         self.placements = expand_placements(list(self.placements))
         for p in self.placements:
-            if parse_placement(p).session_keys:  # parsing raises ValueError naming what is wrong
+            placement = parse_placement(p)  # parsing raises ValueError naming what is wrong
+            if placement.session_keys:
                 raise ValueError(f"placement {p!r}: a trace replay cannot send session keys: Mooncake traces carry "
                                  "no conversation ids, only block hash_ids (docs/benchmarks.md)")
+            if placement.max_tokens_sent is not None:
+                raise ValueError(f"placement {p!r}: a trace replay sends each request's output length as the trace "
+                                 "gives it, not a cap (+max-tokens is for the swarm)")
         if not self.placements:
             raise ValueError("need at least one placement")
         for h in self.hicache:
