@@ -362,11 +362,26 @@ def running_vllm(port: int, kv_port: int, replay_port: int, log_path: Path, root
     proc.start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=timeout)
+        _engine_cores_yield(proc.proc.pid)
         yield Engine(f"http://127.0.0.1:{port}", MODEL_NAME, kv_port, replay_port, proc, time.monotonic() - t0)
     finally:
         pgid = proc.proc.pid
         proc.stop(timeout=15)
         _reap_group(pgid)
+
+
+def _engine_cores_yield(api_pid: int, niceness: int = 10) -> None:
+    """Lower the priority of every process of the engine's group but its API server (the engine cores, one
+    per rank, and their helpers). On a GPU host the cores wait on the GPU and the API server has a CPU of its
+    own; here the two cores are the ranks' cores too, and decoding flat out they kept the API server from
+    answering (its /metrics and /health seconds late, connections not accepted). A process with nothing to
+    do loses nothing by it."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pid, pgrp = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[2])
+            if pgrp == api_pid and pid != api_pid:
+                for task in (stat.parent / "task").iterdir():  # Linux: a thread's niceness is its own
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
 
 
 def _reap_group(pgid: int, grace: float = 10.0) -> None:

@@ -413,7 +413,10 @@ def test_real_vllm_metrics_are_read_as_engine_load(bed, tmp_path):
     assert set(figures) == {0, 1} and launch and launch.startswith("process_start_time_seconds=")
     port = procs.free_port()
     balancer = procs.start_balancer(port, {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2",
-                                           "RJ_ENGINE_LOAD_INTERVAL_MS": "100"},
+                                           "RJ_ENGINE_LOAD_INTERVAL_MS": "100",
+                                           # a CPU engine decoding flat out answers its /metrics seconds late, past
+                                           # the 2 s default: every read would time out before it answered
+                                           "RJ_HEALTH_TIMEOUT_MS": "20000"},
                                     log_path=tmp_path / "balancer.log", timeout=60)
     stop = threading.Event()
 
