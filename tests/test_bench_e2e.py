@@ -111,6 +111,22 @@ def test_paired_repeats_share_a_seed_and_report_paired_differences():
 
 
 @pytest.mark.unit
+def test_a_placement_sending_other_work_is_compared_with_the_first_that_sends_the_same():
+    """+max-tokens changes the answers' lengths: its placements are differenced among themselves."""
+    specs = ["relative", "absolute", "relative:+max-tokens=32000", "absolute:+max-tokens=32000"]
+    turns = {"relative": 70.0, "absolute": 72.0, "relative:+max-tokens=32000": 60.0,
+             "absolute:+max-tokens=32000": 61.0}
+    cells = CompareConfig(placements=specs, developers=[16], repeats=2, seed=4, paired=True).cells()
+    rows = [{**c, "turns_per_min": turns[c["placement"]], "cache_ratio": 0.9, "ttft_p50": 0.5, "ttft_p90": 1.0,
+             "stickiness": 0.99} for c in cells]
+    text = format_repeats(rows)
+    assert "placement - the first one listed with its max_tokens (relative or relative:+max-tokens=32000)" in text
+    assert "| absolute | 16 | off | 1 | 2 | +0.0 ±0.0 (+0.0..+0.0) | +2.0 ±0.0* (+2.0..+2.0) |" in text
+    assert "| absolute:+max-tokens=32000 | 16 | off | 1 | 2 | +0.0 ±0.0 (+0.0..+0.0) | +1.0 ±0.0* (+1.0..+1.0) |" in text
+    assert "| relative:+max-tokens=32000 | 16 | off | 1 | 2 |" not in text.split("Differences")[1]  # a base itself
+
+
+@pytest.mark.unit
 def test_unpaired_repeats_draw_a_seed_per_run_and_report_welchs_interval():
     cfg = CompareConfig(placements=["relative", "precise"], developers=[16], repeats=3, seed=4)
     cells = cfg.cells()

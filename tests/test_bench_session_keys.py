@@ -37,6 +37,7 @@ def test_a_client_item_rides_on_any_placement_and_leaves_its_own_items_alone():
     ("relative:+max-tokens=0", "expected +max-tokens once, with one of answer, N"),
     ("relative:+max-tokens=N", "expected +max-tokens once"),
     ("relative:+max-tokens=lots", "expected +max-tokens once"),
+    ("relative:+max-tokens=²", "expected +max-tokens once"),  # a digit to str.isdigit, not to int()
     ("relative:+max-tokens=8:+max-tokens=16", "expected +max-tokens once"),
 ])
 def test_a_bad_client_item_is_refused_with_what_is_known(spec, says):

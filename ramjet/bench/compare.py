@@ -22,8 +22,8 @@ Placements (placements.py, peers.py; docs/benchmarks.md has how each is started 
 
 With --repeat N every cell runs N times, the placements of one repeat back to back (interleaved, so a
 slow spell of the machine hits them alike), each run with a seed of its own; summary.md then adds each
-cell's mean ±95% interval (min..max) and every placement's difference from the first placement listed,
-with its 95% interval (Welch). With --paired the placements of one repeat share its seed
+cell's mean ±95% interval (min..max) and every placement's difference from the first placement listed
+(the first sending the same `+max-tokens`), with its 95% interval (Welch). With --paired the placements of one repeat share its seed
 (SEED..SEED+N-1): the same team, the same tasks, so the difference is taken run by run (paired), and
 noise shared by both runs cancels.
 

@@ -58,9 +58,10 @@ RUST_BUNDLE = {"RJ_ROUTE_AFFINITY_BASIS": "relative", "RJ_ROUTE_ALPHA": "4", "RJ
                "RJ_ROUTE_DECODE_MAX_LOAD_UNITS": "4", "RJ_ROUTE_NEW_SESSIONS": "affinity"}
 _SETTING = re.compile(r"RJ_[A-Z0-9_]+")
 # client items (`+NAME[=VALUE]`): what the load sends; a bare name takes the first value
+NUMBER = "N"  # among an item's values: any whole number from 1
 CLIENT_ITEMS = {
-    "session-keys": ("on", "off"),  # on: prompt_cache_key = the conversation's id (Turn.session_key)
-    "max-tokens": ("answer", "N"),  # N, a whole number: max_tokens = N, a client's cap (Turn.body)
+    "session-keys": ("on", "off"),   # on: prompt_cache_key = the conversation's id (Turn.session_key)
+    "max-tokens": ("answer", NUMBER),  # a number: max_tokens = it, a client's cap (Turn.body)
 }
 
 
@@ -243,6 +244,13 @@ def parse_placement(text: str) -> Placement:
     return Placement(text, name, settings, client=client)
 
 
+def bases(texts: list[str]) -> dict[str, str]:
+    """Each placement -> the first listed that sends the same work: `+max-tokens` changes the answers' lengths,
+    so a difference from a placement whose load asks for other answers would measure the work, not the routing."""
+    first: dict[int | None, str] = {}
+    return {t: first.setdefault(parse_placement(t).max_tokens_sent, t) for t in texts}
+
+
 def _client_items(text: str, items: list[str]) -> dict[str, str]:
     """`+NAME[=VALUE]` items -> {NAME: VALUE}; ValueError naming the known ones for anything else."""
     out = {}
@@ -253,10 +261,9 @@ def _client_items(text: str, items: list[str]) -> dict[str, str]:
             raise ValueError(f"placement {text!r}: unknown client item {item!r}; known: {known}")
         value = value if sep else CLIENT_ITEMS[key][0]
         choices = CLIENT_ITEMS[key]
-        valid = value in choices and value != "N" or "N" in choices and value.isdigit() and int(value) >= 1
-        if not valid or key in out:
-            raise ValueError(f"placement {text!r}: {item!r}: expected +{key} once, with one of "
-                             f"{', '.join(CLIENT_ITEMS[key])}")
+        number = NUMBER in choices and value.isascii() and value.isdigit() and int(value) >= 1
+        if not (number or value in choices and value != NUMBER) or key in out:
+            raise ValueError(f"placement {text!r}: {item!r}: expected +{key} once, with one of {', '.join(choices)}")
         out[key] = value
     return out
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ramjet.bench import peers, precise
+from ramjet.bench.placements import bases
 
 TABLE_COLUMNS = (
     ("placement", "placement", "{}"),
@@ -166,21 +167,23 @@ def format_repeats(rows: list[dict], spec: RepeatSpec = SWARM) -> str:
     placements = list(dict.fromkeys(r["placement"] for r in rows))
     if len(placements) < 2:
         return "\n".join(lines)
-    base = placements[0]
+    against = bases(placements)
+    firsts = list(dict.fromkeys(against.values()))
+    base = firsts[0] if len(firsts) == 1 else f"the first one listed with its max_tokens ({' or '.join(firsts)})"
     paired = all(r.get("paired", True) for r in ok)
     unit = "pairs" if paired else "runs"
     how = (f"paired run by run over the repeats that shared {spec.shared}" if paired else
            f"the difference of the means, every run with {spec.shared} of its own (Welch's interval)")
     lines += ["", (f"Differences, placement - {base}, {how} (mean ±95% interval, * where the interval excludes "
                    f"zero; 'better' counts the {unit} where the placement did better"
-                   + ("" if paired else f" than {base}'s mean") + "):"), "",
+                   + ("" if paired else " than that placement's mean") + "):"), "",
               ("| placement | " + "".join(f"{h} | " for _, h in spec.setting) + f"{unit} | "
                + " | ".join(f"{h} diff" + (" (pt)" if "%" in f else "") for _, h, f, _ in spec.columns)
                + f" | better ({', '.join(label for _, _, label in spec.better)}) |"),
               cols + "---:|" + "---:|" * (len(spec.columns) + 1)]
     for setting, group in _groups(ok, keys).items():
-        base_rows = [r for r in group if r["placement"] == base]
-        for p in placements[1:]:
+        for p in (p for p in placements if against[p] != p):
+            base_rows = [r for r in group if r["placement"] == against[p]]
             mine = [r for r in group if r["placement"] == p]
             diffs = _paired_diffs if paired else _unpaired_diffs
             row = diffs(base_rows, mine, spec) if base_rows and mine else None
@@ -319,16 +322,14 @@ def write_outputs(cfg, rows: list[dict]) -> None:
     md = ["# Agent-swarm comparison", "", _describe(cfg), "", format_table(rows), ""]
     if cfg.repeats > 1:
         md += ["## Over the repeats", "", format_repeats(rows), ""]
-    best = format_best(rows)
-    if best:
+    if best := format_best(rows):
         md += ["## Best setting of each kind per cell (mean turns/min over its runs)", "", best, ""]
     busy = [(cell_name(r), k, v) for r in rows for k, v in (r.get("cpu_share") or {}).items() if v >= 0.85]
     if busy:
         md += ["Warning: some processes used most of a CPU core, so simulated engine time may have stretched; "
                "a lower --time-scale gives more faithful figures:",
                *[f"- {c}: {k} {v:.0%} of a core" for c, k, v in busy], ""]
-    states = [precise.describe(cell_name(r), r["precise"], 8 * r["engines"]) for r in rows if "precise" in r]
-    if states:
+    if states := [precise.describe(cell_name(r), r["precise"], 8 * r["engines"]) for r in rows if "precise" in r]:
         md += ["Precise mode (the balancer's /metrics after the swarm):", "", *[f"- {x}" for x in states], ""]
     md += placement_notes(rows)
     floors = [f"{cell_name(r)} {r['ttft_floor']:.2f} s" for r in rows if r.get("ttft_floor") is not None]
