@@ -450,3 +450,118 @@ def test_real_vllm_metrics_are_read_as_engine_load(bed, tmp_path):
     print(f"\nreal vLLM: engine load seen by the balancer, rank 0 {seen[0]:g} units, rank 1 {seen[1]:g}")
     assert "reading its load from vllm_metrics" in log, log[-2000:]
     assert seen[0] > 0 and seen[1] == 0, seen
+
+
+def stream_until_cut(url: str, model: str, n: int, started: "threading.Event", out: list) -> None:
+    """One long streamed completion through the balancer; `out` gets every byte it sent, `started` is set at
+    the first content chunk. Ends when the balancer ends the stream (the engine will be killed under it)."""
+    body = {"model": model, "prompt": f"stream {n}: " + "word " * 200, "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        out.append(r.status_code)
+        for chunk in r.iter_raw():
+            out.append(chunk)
+            if b'"text"' in chunk:
+                started.set()
+
+
+@pytest.mark.timeout(600)
+def test_a_real_engine_killed_mid_stream_and_brought_back(bed, tmp_path):
+    """Issue 25: SIGKILL the whole engine (API server and both ranks) while two streams run through the balancer
+    in precise mode, then start it again on the same ports. The streams end with an error event, the balancer
+    keeps answering (502 JSON, its /health and /metrics), fences the ranks, forgets what they held, says so in
+    a metric and a log line; and with the engine back it serves, caches and routes on its events again.
+    Last in the module: it kills the module's engine (the fixture's teardown reaps nothing then)."""
+    import json
+    import signal
+    import threading
+
+    from harness import metric_sum
+    from poll import wait_for
+
+    eng = bed.engine
+    bed.release_event_ports()
+    http_port = int(eng.url.rsplit(":", 1)[1])
+    port = procs.free_port()
+    env = {"RJ_UPSTREAM": eng.url, "RJ_UPSTREAM_DP_SIZE": "2", "RJ_KV_EVENTS": "zmq", "RJ_KV_EVENTS_TOPIC": "kv",
+           "RJ_KV_EVENTS_ENDPOINT": f"@tcp://127.0.0.1:{eng.kv_port}",
+           "RJ_KV_EVENTS_REPLAY_ENDPOINT": f"tcp://127.0.0.1:{eng.replay_port}",
+           "RJ_TOKENIZER": str(ENGINE_DIR / "model"), "RJ_HEALTH_INTERVAL_MS": "1000",
+           "RJ_HEALTH_TIMEOUT_MS": "20000"}  # a CPU engine decoding flat out answers its probes seconds late
+    balancer = procs.start_balancer(port, env, log_path=tmp_path / "balancer.log", timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(base_url=url, timeout=60)
+
+    def metric(name: str, **labels: str) -> float:
+        return metric_sum(client.get("/metrics").text, name, **labels)
+
+    history: list[dict] = []
+
+    def turn(n: int) -> tuple[int, int]:
+        """Session 4's next turn: (its replica, cached_tokens)."""
+        messages = history + [{"role": "user", "content": user_text(4, n)}]
+        resp = client.post("/v1/chat/completions", json={"model": eng.model, "messages": messages, "max_tokens": 16,
+                                                          "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        history[:] = messages + [{"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]}]
+        time.sleep(0.3)  # the engine reports the turn's blocks before the next one
+        return int(resp.headers["x-ramjet-upstream"]), resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    streams = [[], []]
+    started = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=stream_until_cut, args=(url, eng.model, n, started[n], streams[n]),
+                                daemon=True) for n in (0, 1)]
+    try:
+        wait_for(lambda: metric("ramjet_kv_precise") == 2, "the balancer never trusted both ranks' streams", 90, 0.2)
+        home, _ = turn(0)
+        again, cached = turn(1)
+        assert again == home and cached > 0, (home, again, cached)
+        for t in threads:
+            t.start()
+        for s in started:
+            assert s.wait(120), "a stream sent no text in 120 s"
+
+        os.killpg(eng.process.proc.pid, signal.SIGKILL)  # the API server and both engine cores, at once
+        for t in threads:
+            t.join(90)
+            assert not t.is_alive(), "a stream through the balancer hung after its engine died"
+        for out in streams:
+            body = b"".join(out[1:])
+            assert out[0] == 200 and b"event: error" in body and b"upstream_died" in body, body[-500:]
+            assert not body.rstrip().endswith(b"[DONE]"), "a cut stream must not look complete"
+        resp = client.post("/v1/chat/completions", json={"model": eng.model, "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "anyone?"}]})
+        assert resp.status_code in (502, 503) and "error" in resp.json(), resp.text
+        wait_for(lambda: {r["state"] for r in client.get("/health").json()["replicas"]} == {"fenced"},
+              "the dead engine's ranks were never fenced", 90, 0.2)
+        wait_for(lambda: metric("ramjet_kv_stream_states_total", kind="disconnected") >= 2,
+              "the balancer never saw the event streams drop", 90, 0.2)
+        assert metric("ramjet_kv_precise") == 0 and metric("ramjet_kv_resident_tokens") == 0
+        assert metric("ramjet_upstream_fences_total") >= 2
+
+        with real_vllm.running_vllm(http_port, eng.kv_port, eng.replay_port, tmp_path / "vllm-again.log",
+                                    root=ENGINE_DIR, timeout=240):
+            wait_for(lambda: {r["state"] for r in client.get("/health").json()["replicas"]} == {"serving"},
+                  "the restarted engine's ranks never returned to service", 90, 0.2)
+            # Session 4 again: the engine lost its history, so the turn is computed afresh wherever it lands;
+            # the balancer then learns its new home from the new streams and keeps it there.
+            _, cached = turn(2)
+            assert cached == 0, f"the restarted engine cannot hold {cached} tokens of the old session"
+            home, _ = turn(3)
+            again, cached = turn(4)
+            assert again == home and cached > 0, (home, again, cached)
+            # the rank session 4 went to has published again, from a new sequence: routed on its events again
+            wait_for(lambda: metric("ramjet_kv_precise", upstream=str(home)) == 1,
+                     "the restarted engine's stream was never trusted", 90, 0.2)
+            assert metric("ramjet_kv_resident_tokens", upstream=str(home)) > 0
+            rss_kb = int(next(ln.split()[1] for ln in Path(f"/proc/{balancer.proc.pid}/status").read_text()
+                              .splitlines() if ln.startswith("VmRSS:")))
+    finally:
+        client.close()
+        balancer.stop()
+    log = (tmp_path / "balancer.log").read_text()
+    print(f"\nreal vLLM killed mid-stream: balancer RSS {rss_kb / 1024:.0f} MB; "
+          f"last stream bytes {json.dumps(streams[0][-1][-200:].decode(errors='replace'))}")
+    assert "fenced upstream" in log and "kv events disconnected" in log, log[-3000:]
+    assert "routes precisely" in log.split("fenced upstream", 1)[1], "no log line says precise routing came back"
+    assert rss_kb < 512 * 1024
