@@ -135,13 +135,14 @@ class Router:
                              [serving[i] for i in picked], fp.prompt_bytes / chunk,
                              None if demand is None else shares(demand, serving, picked))
             ranking = rank_shortlist(policy, picked, sub, key, serving, everyone)
-            # The home rule only compares overlaps, which the index's depths order as their bytes do.
-            candidates = Candidates(overlaps, loads, serving) if held is None else everyone()
+            candidates = None  # built below only for a keyed turn: every replica's row is the cost at this size
         else:
             candidates = everyone()
             ranking = rank(policy, candidates, Rendezvous(key, n))
         if known is None:
             return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint)
+        if candidates is None:  # the home rule only compares overlaps, which the index's depths order as bytes do
+            candidates = Candidates(overlaps, loads, serving) if held is None else everyone()
         home = known.replica
         pinned = stays_home(known, fp.blocks, candidates, self.params)
         if pinned:
