@@ -231,6 +231,22 @@ def test_a_conversation_whose_end_the_index_lost_is_still_no_new_session():
     assert other.new_session
 
 
+def test_in_precise_mode_a_conversation_another_balancer_placed_continues_and_a_new_one_is_still_new():
+    """Several balancers: an engine holds more of the prompt than this one ever sent (another balancer placed the
+    earlier turns). Every balancer reads the same events, so each calls the turn continuing: none moves it."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)
+    _turns(router, 1, 1, replica=1)  # this balancer placed another conversation on the harness, on replica 1
+    body = _next_turn(2, 2)  # conversation 2's third turn; its first two went through the other balancer
+    alone = router.decide("chat", body, [0, 0], [True, True])
+    assert alone.new_session  # all this balancer knows of it is the shared harness
+    harness = max(alone.covered) / alone.fingerprint.prompt_bytes
+    held = router.decide("chat", body, [0, 0], [True, True], held=[0.9, harness])
+    assert not held.new_session and held.ranking.order[0] == 0
+    one_block = CHUNK / alone.fingerprint.prompt_bytes
+    for shares in ([harness, harness], [harness + 0.5 * one_block, harness]):  # nothing, or under a block, more
+        assert router.decide("chat", body, [0, 0], [True, True], held=shares).new_session, shares
+
+
 def test_while_caches_cut_live_conversations_new_ones_go_where_their_prefix_is():
     """Oversubscribed caches (continuing turns find their own history gone): new sessions are placed by the policy."""
     router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)

@@ -46,7 +46,7 @@ class Derived:
         request starts a conversation depends on what this one balancer has seen answered.
         """
         if self.route_new_sessions == "auto":
-            return self.kv_events == "off"
+            return True
         return self.route_new_sessions == "balance"
 
     @property

@@ -31,6 +31,9 @@ from ramjet.routing.shortlist import DEFAULT_ABOVE, rank_shortlist, shortlist, v
 from ramjet.routing.units import load_units
 
 
+ELSEWHERE_BLOCKS = 1  # blocks an engine must hold beyond what this balancer sent for a request to be someone else's
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """Where one request should go, and why."""
@@ -120,7 +123,8 @@ class Router:
         continued = max(self.conversations.continued_depth(fp.blocks), flying) if self.balance_new_sessions else 0
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
-        new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued)
+        new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued) \
+            and not (held is not None and _engines_hold_more(covered, fp.covered_bytes(max(overlaps, default=0)), chunk))
         policy = self.new_sessions if new_session else self.policy
         demand = self.demand.snapshot() if new_session else None
         key = fp.blocks[-1] if fp.blocks else 0
@@ -198,6 +202,14 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
+
+
+def _engines_hold_more(covered: Sequence[float], sent_bytes: float, chunk: int) -> bool:
+    """Precise mode: does an engine hold more of this prompt (by ELSEWHERE_BLOCKS blocks) than this balancer's
+    own index says it ever sent? Then another balancer placed this conversation's earlier turns (several
+    balancers, docs/operations.md): the request continues a conversation, whatever this one saw answered, and
+    every balancer, reading the same events, says so alike."""
+    return max(covered, default=0.0) >= sent_bytes + ELSEWHERE_BLOCKS * chunk
 
 
 class _ByDepth(Sequence[float]):
