@@ -23,7 +23,7 @@ prompt), as a fleet serving one agent harness does. Scenarios:
 - new: nobody holds more than the harness, so it is placed as a new conversation
   (RJ_ROUTE_NEW_SESSIONS: demand shares of every replica);
 
-- precise: as continued, in precise mode (RJ_KV_EVENTS=zmq: new-session placement off), every
+- precise: as continued, in precise mode (RJ_KV_EVENTS=zmq), every
   replica's engine reporting what it holds (here, what the index holds): the router's part of
   a precise decision; benchmarks/precise_routing_cost.py measures the tokenizing and matching;
 
@@ -103,7 +103,7 @@ def harness_of(body: dict) -> dict:
 def setup(body: dict, replicas: int, scenario: str, idle: bool, rng: random.Random,
           shortlist_above: int = DEFAULT_ABOVE):
     router = Router("relative", Params(chunk_bytes=CHUNK), [100_000] * replicas, MAX_PREFIX,
-                    balance_new_sessions=scenario != "precise",
+                    balance_new_sessions=True,
                     **({"shortlist_above": shortlist_above} if LAZY else {}))
     own = fingerprint("chat", body, CHUNK, MAX_PREFIX).blocks
     harness = fingerprint("chat", harness_of(body), CHUNK, MAX_PREFIX).blocks

@@ -40,14 +40,12 @@ class Derived:
 
     @property
     def balance_new_sessions(self) -> bool:
-        """RJ_ROUTE_NEW_SESSIONS: `auto` balances new conversations with the approximate index only.
+        """RJ_ROUTE_NEW_SESSIONS: `auto` (the default) is `balance`, in both modes.
 
-        In precise mode several balancers must decide alike (docs/operations.md), and whether a
-        request starts a conversation depends on what this one balancer has seen answered.
+        In precise mode a request also continues a conversation when an engine holds more of it than this
+        balancer sent (routing/router.py), so several balancers judge new and continuing alike.
         """
-        if self.route_new_sessions == "auto":
-            return True
-        return self.route_new_sessions == "balance"
+        return self.route_new_sessions in ("auto", "balance")
 
     @property
     def journal_target(self) -> None | Literal["stdout"] | Path:
