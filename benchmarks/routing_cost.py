@@ -23,7 +23,7 @@ prompt), as a fleet serving one agent harness does. Scenarios:
 - new: nobody holds more than the harness, so it is placed as a new conversation
   (RJ_ROUTE_NEW_SESSIONS: demand shares of every replica);
 
-- precise: as continued, in precise mode (RJ_KV_EVENTS=zmq), every
+- precise: as continued, in precise mode (RJ_KV_EVENTS=zmq, RJ_ROUTE_NEW_SESSIONS=balance), every
   replica's engine reporting what it holds (here, what the index holds): the router's part of
   a precise decision; benchmarks/precise_routing_cost.py measures the tokenizing and matching;
 
