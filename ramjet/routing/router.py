@@ -123,8 +123,8 @@ class Router:
         continued = max(self.conversations.continued_depth(fp.blocks), flying) if self.balance_new_sessions else 0
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
-        new_session = self.balance_new_sessions and known is None and self._new_session(fp.blocks, overlaps, continued) \
-            and not (held is not None and _engines_hold_more(covered, fp.covered_bytes(max(overlaps, default=0)), chunk))
+        new_session = self.balance_new_sessions and known is None \
+            and self._new_session(fp, overlaps, continued, covered if held is not None else None)
         policy = self.new_sessions if new_session else self.policy
         demand = self.demand.snapshot() if new_session else None
         key = fp.blocks[-1] if fp.blocks else 0
@@ -153,18 +153,26 @@ class Router:
             ranking = ranking.pinned(home, "session")
         return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint, home, pinned)
 
-    def _new_session(self, blocks: list[int], overlaps: list[int], continued: int) -> bool:
+    def _new_session(self, fp: Fingerprint, overlaps: list[int], continued: int,
+                     reported: Sequence[float] | None) -> bool:
         """Does this request start a conversation, and may it be placed for balance?
 
         It continues one when its deepest match ends where an answered request ended (the index's
         end marks) or when it holds an earlier request's whole chain (`continued`: the conversation
         memory, which eviction does not touch); a request whose session key was seen answered is never
-        asked (decide_fingerprint: the key says it continues). While the caches evict live conversations
+        asked (decide_fingerprint: the key says it continues). In precise mode (`reported`: the bytes each
+        replica's engine holds) it also continues one when an engine holds ELSEWHERE_BLOCKS blocks more of
+        it than this balancer's index says it ever sent: another balancer placed its earlier turns, and
+        every balancer, reading the same events, says so alike. While the caches evict live conversations
         (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
         (the policy's own placement), so that spreading them does not cost the room the live ones need.
         """
-        if continued or self.index.continues(blocks, overlaps):
+        if continued or self.index.continues(fp.blocks, overlaps):
             return False
+        if reported is not None:
+            sent = fp.covered_bytes(max(overlaps, default=0))
+            if max(reported, default=0.0) >= sent + ELSEWHERE_BLOCKS * self.params.chunk_bytes:
+                return False
         return not self.pressure.high()
 
     def sent(self, replica: int, decision: Decision) -> None:
@@ -202,14 +210,6 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
-
-
-def _engines_hold_more(covered: Sequence[float], sent_bytes: float, chunk: int) -> bool:
-    """Precise mode: does an engine hold more of this prompt (by ELSEWHERE_BLOCKS blocks) than this balancer's
-    own index says it ever sent? Then another balancer placed this conversation's earlier turns (several
-    balancers, docs/operations.md): the request continues a conversation, whatever this one saw answered, and
-    every balancer, reading the same events, says so alike."""
-    return max(covered, default=0.0) >= sent_bytes + ELSEWHERE_BLOCKS * chunk
 
 
 class _ByDepth(Sequence[float]):
