@@ -29,10 +29,10 @@ def test_defaults():
     assert s.upstream_dp_ranks is None and s.upstream_dp_size is None and s.topology_file is None
     assert s.upstream_token is None and s.api_keys == []
     assert (s.affinity, s.route_affinity_basis, s.route_alpha) == ("prefix", "relative", 2.0)
-    assert s.route_new_sessions == "auto" and s.balance_new_sessions  # balanced with the approximate index
+    assert s.route_new_sessions == "auto" and s.balance_new_sessions  # new conversations placed for balance
     precise = {**UP, "RJ_KV_EVENTS": "zmq", "RJ_TOKENIZER": str(files("ramjet.sim") / "tokenizer")}
-    assert not load_settings(precise).balance_new_sessions  # ... not in precise mode unless told (derived.py)
-    assert load_settings({**precise, "RJ_ROUTE_NEW_SESSIONS": "balance"}).balance_new_sessions
+    assert load_settings(precise).balance_new_sessions  # ... in precise mode too (routing/router.py)
+    assert not load_settings({**precise, "RJ_ROUTE_NEW_SESSIONS": "affinity"}).balance_new_sessions
     assert (s.route_chunk_bytes, s.route_max_prefix_bytes) == (2048, 2 * 1024 * 1024)
     assert (s.route_max_overlap_blocks, s.route_index_capacity, s.route_kv_capacity_tokens) == (32, 100_000, None)
     assert (s.route_load_unit_bytes, s.route_max_load_units, s.route_max_attempts) == (32768, 8, 3)

@@ -56,12 +56,13 @@ def running(pid: int) -> bool:
     return text[text.rindex(")") + 2] != "Z"
 
 
-def send(url: str, n: int, prompt: str = "hello", seed: int = 0) -> list[httpx.Response]:
-    """`n` chat requests, each on a new connection; every one must succeed."""
+def send(url: str, n: int, prompt: str = "hello", seed: int = 0, same: bool = False) -> list[httpx.Response]:
+    """`n` chat requests, each on a new connection; every one must succeed. Each prompt ends with its own
+    number (new conversations sharing `prompt`), or with `same` they are one prompt sent again and again."""
     out = []
     with httpx.Client(timeout=30, limits=FRESH) as client:
         for i in range(n):
-            r = client.post(url + CHAT, json=chat_body(f"{prompt} {seed}-{i}", max_tokens=4))
+            r = client.post(url + CHAT, json=chat_body(prompt if same else f"{prompt} {seed}-{i}", max_tokens=4))
             assert r.status_code == 200, r.text
             out.append(r)
     return out
@@ -170,10 +171,13 @@ def test_metrics_sum_both_workers_exactly(stack):
 @pytest.mark.e2e
 def test_a_drain_through_the_operator_api_reaches_both_workers(stack):
     url, admin = stack["url"], stack["admin"]
-    prompt = "the same long prefix for every request " * 200  # sticks to one replica in both workers
-    send(url, 1, prompt)
-    # once the engine's events of its blocks reached both workers, both send the prefix where it is cached
-    home = wait_for(lambda: len(got := {r.headers["x-ramjet-upstream"] for r in send(url, 6, prompt)}) == 1 and got,
+    # One turn sent again and again continues its conversation, which stays where it is cached (new ones that only
+    # share a prefix are placed for balance: RJ_ROUTE_NEW_SESSIONS)
+    prompt = "the same long prompt for every request " * 200
+    send(url, 1, prompt, same=True)
+    # once the engine's events of its blocks reached both workers, both send it where it is cached
+    home = wait_for(lambda: len(got := {r.headers["x-ramjet-upstream"]
+                                        for r in send(url, 6, prompt, same=True)}) == 1 and got,
                     "both workers sending the prompt to the one replica that holds it")
     home_rank = int(home.pop())
     r = httpx.post(f"{admin}/admin/replicas/{home_rank}/drain", timeout=10)

@@ -40,15 +40,12 @@ class Derived:
 
     @property
     def balance_new_sessions(self) -> bool:
-        """RJ_ROUTE_NEW_SESSIONS: `auto` balances new conversations with the approximate index only.
+        """RJ_ROUTE_NEW_SESSIONS: `auto` (the default) is `balance`, in both modes.
 
-        In precise mode `balance` ties the approximate index at 16 developers where `auto` (affinity) loses a
-        third of the turns (docs/benchmarks.md), but two worker processes then disagreed in
-        tests/test_workers.py; until that is understood, precise mode balances only when told to.
+        In precise mode a request also continues a conversation when an engine holds more of it than this
+        balancer sent (routing/router.py), so several balancers judge new and continuing alike.
         """
-        if self.route_new_sessions == "auto":
-            return self.kv_events == "off"
-        return self.route_new_sessions == "balance"
+        return self.route_new_sessions in ("auto", "balance")
 
     @property
     def journal_target(self) -> None | Literal["stdout"] | Path:
