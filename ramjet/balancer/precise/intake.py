@@ -8,9 +8,9 @@ included) a stream waits while the bucket is empty; after it, the slice's time i
 Requests always get the rest of the loop, however much the engines send.
 
 A stream that wants more than its share is shed: its socket is closed for a while (the
-engine's publisher drops what it sends meanwhile; nothing queues here), its replica's
-view is forgotten and the replica routes approximately until its predictions agree again
-(precise/mode.py). A stream is flooding when, while rationed, it still had messages
+engine's publisher drops what it sends meanwhile; nothing queues here), and its replica
+routes approximately until its predictions agree again (precise/mode.py), on a view that
+lacks the batches shed. A stream is flooding when, while rationed, it still had messages
 waiting after its slices for BACKLOG_S, with no spell of CLEAR_S in which they emptied
 its queue (a flood's queue is found empty now and then, between two of its messages:
 measured, a stream of garbage at 22,000 messages a second was found so after one

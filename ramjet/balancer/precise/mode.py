@@ -21,9 +21,13 @@ fallback costs nothing but precision:
   health probes, or the network failed): what it held is forgotten, by both
   indexes, and it is not trusted until its next stream proves complete;
 - a stream shed over its budget (precise/intake.py: it sent more than its share of the
-  loop, or than RJ_KV_EVENTS_MAX_RATE), or a view past RJ_KV_EVENTS_MAX_BLOCKS: what the
-  engine reported is forgotten (the approximate index keeps its own) and the replica is
-  trusted again only once its predictions agree, as after a partial stream.
+  loop, or than RJ_KV_EVENTS_MAX_RATE): trusted again only once its predictions agree, as
+  after a partial stream. Its view is kept: it lacks only the batches shed, where an empty
+  one would lack every conversation the replica holds, and once trusted again send them
+  elsewhere (measured: at 64 developers, time scale 5, each replica shed a second of events
+  now and then and precise mode kept 88.7% of turns home against 96.6%);
+- a view past RJ_KV_EVENTS_MAX_BLOCKS: forgotten (the approximate index keeps its own),
+  trusted again only once its predictions agree.
 Every stream change is counted (`ramjet_kv_stream_states_total{kind}`), and logged, at most
 once a minute per replica and kind; what was refused is counted in
 `ramjet_kv_refused_total{reason}` (precise/ingest.py).
@@ -258,9 +262,7 @@ class PreciseMode:
         self.metrics.kv_stream_states.labels(*self.replicas[i].labels, state.kind).inc()
         if state.kind in ("restart", "disconnected"):  # its caches are gone, or unknown: both indexes
             self.fleet.cache_lost(i)  # which calls forget(i) here
-        elif state.kind == "shed":  # what it reported can no longer be vouched for; the approximate index stays
-            self.forget(i)
-        self.trust[i].stream(state.kind)
+        self.trust[i].stream(state.kind)  # shed: untrusted, its view kept (the module's docstring says why)
         if state.kind not in ("live", "silent"):
             self._say(i, state.kind, state.detail)
 
