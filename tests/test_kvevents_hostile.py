@@ -23,6 +23,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+import poll
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.metrics import Metrics
@@ -511,6 +512,40 @@ async def test_a_shed_stream_stops_reading_loses_what_came_meanwhile_and_comes_b
     got = [(await asyncio.wait_for(reading, WAIT_S)).kind] + await collect(stream, items, lambda o: 200 in o)
     assert got == ["partial", 200]  # no replay of what was shed
     assert stream.counters.sheds == 1 and stream.complete is False and stream.counters.batches == 2
+    stream.close()
+    pub.close()
+
+
+class Charged:
+    """A gate that records what each slice was charged, and never sheds."""
+
+    def __init__(self):
+        self.charged: list[float] = []
+
+    async def admit(self) -> None:
+        pass
+
+    def spent(self, seconds, events, backlog):
+        self.charged.append(seconds)
+
+
+@pytest.mark.e2e
+async def test_a_slice_is_charged_the_work_it_did_not_the_time_the_process_was_held_up(ctx):
+    # Charged by the clock, a slice during which the process was descheduled (a busy host, a container's CPU
+    # quota) took 300 ms: over BURST_S, and the stream was shed for work it never did
+    pub, gate = Publisher(ctx), Charged()
+    stream = EventStream(pub.endpoints(), context=ctx, gate=gate)
+    items = stream.items()
+    first = asyncio.ensure_future(anext(items))
+    await pub.subscribed()
+    await pub.send(0, payload(0))
+    assert (await asyncio.wait_for(first, WAIT_S)).kind == "live"
+    assert (await asyncio.wait_for(anext(items), WAIT_S)).seq == 0  # delivered within the slice that read it
+    time.sleep(0.3)  # held up, doing nothing, before the slice ends
+    after = asyncio.ensure_future(anext(items))
+    await poll.until(lambda: gate.charged, "the slice charged")
+    assert gate.charged[0] < 0.1, gate.charged
+    after.cancel()
     stream.close()
     pub.close()
 

@@ -4,7 +4,7 @@ A payload over OFF_LOOP_BYTES (256 KiB; a 4 MB batch takes 0.1 to 0.5 s to decod
 in a worker thread, so requests and the other streams go on meanwhile, and in pieces
 (wire.decode_payload's `pieces`): one call into msgspec or msgpack holds the GIL for all it
 decodes, so a thread alone would not let the loop turn. The thread's CPU time is the
-stream's work (charged to its gate); the rest of the wait is not.
+stream's work (charged to its gate); what the event loop's thread did meanwhile is other tasks' work.
 
 What is refused is counted in the stream's `StreamCounters` and warned of at most once a
 minute per kind: `oversized` (a payload over the frame limit that ZMQ's slack let through)
@@ -27,7 +27,8 @@ OFF_LOOP_BYTES = 256 << 10
 async def decode_counted(book: StreamBook, decode: Callable, frames: list[bytes], max_frame: int,
                          source: str) -> tuple[Batch | None | object, float]:
     """(what `decode` makes of the frames: a batch, None for the replay end marker, or UNDECODABLE, counted;
-    seconds waited on a worker thread beyond its own work)."""
+    seconds to add to the event loop thread's CPU time over this call to make it the stream's work: the worker
+    thread's CPU time, less what other tasks used on the loop while it decoded)."""
     size = len(frames[-1]) if isinstance(frames, (list, tuple)) and len(frames) >= 2 else 0
     counters = book.counters
     if size > max_frame:
@@ -39,9 +40,9 @@ async def decode_counted(book: StreamBook, decode: Callable, frames: list[bytes]
     try:
         if size <= OFF_LOOP_BYTES:
             return decode(frames), 0.0
-        began = time.perf_counter()
+        began = time.thread_time()  # the event loop's thread
         batch, work = await asyncio.to_thread(_timed, decode, frames)
-        return batch, max(time.perf_counter() - began - work, 0.0)
+        return batch, work - (time.thread_time() - began)
     except WireError as exc:
         counters.undecodable += 1
         book.warn("undecodable", "kv events from %s: dropped a message that does not decode (%d so far): %s",

@@ -84,7 +84,7 @@ class EventStream(StreamBook):
         self._gate = gate
         self._replays = Ration()
         self._after_shed = False
-        self._waited = 0.0  # of the current slice's time, spent waiting on a replay
+        self._extra_s = 0.0  # added to the current slice's loop CPU time: worker decoding in, replays out
         self._ctx = context or shared_context()
         self._sub = self._monitor = self._dealer = None  # zmq.asyncio sockets, once open
         self._replay_note, self._replay_answered = "no replay asked yet", False
@@ -177,16 +177,17 @@ class EventStream(StreamBook):
                     continue
                 if self._gate is not None:
                     await self._gate.admit()
-                started, read, events, self._waited = time.perf_counter(), 0, 0, 0.0
+                # the slice's work is CPU time: a process descheduled (a busy host, a container's CPU quota) did none
+                started, cpu, read, events, self._extra_s = time.perf_counter(), time.thread_time(), 0, 0, 0.0
                 while read < SLICE and time.perf_counter() - started < SLICE_S and not self._closed:
                     try:
                         frames = reader.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     read += 1
-                    batch, waited = await decode_counted(self, decode_live, frames, self._max_frame,
-                                                         self.endpoints.events)
-                    self._waited += waited  # on a worker thread's decoding, beyond its own work
+                    batch, extra = await decode_counted(self, decode_live, frames, self._max_frame,
+                                                        self.endpoints.events)
+                    self._extra_s += extra  # a worker thread's decoding, less other tasks' work meanwhile
                     if batch is UNDECODABLE:
                         continue
                     if silent or not announced:
@@ -198,7 +199,7 @@ class EventStream(StreamBook):
                 else:
                     read = SLICE  # stopped by the slice's limits: more may be waiting
                 if self._gate is not None:
-                    shed_for = self._gate.spent(time.perf_counter() - started - self._waited, events, read >= SLICE)
+                    shed_for = self._gate.spent(time.thread_time() - cpu + self._extra_s, events, read >= SLICE)
                 else:
                     await asyncio.sleep(0)
             if shed_for is not None and not self._closed:
@@ -230,10 +231,10 @@ class EventStream(StreamBook):
             expected = seqr.next_seq
             yield StreamState(GAP, f"expected batch {expected}, got {batch.seq}")
             if self._replays.take(time.monotonic()):
-                began = time.perf_counter()
+                began = time.thread_time()
                 async for item in self._repair(expected):
                     yield item
-                self._waited += time.perf_counter() - began  # mostly waiting on the engine: not the loop's work
+                self._extra_s -= time.thread_time() - began  # a repair is not charged: rationed by its own Ration
             else:
                 self._replay_note = "replays are rationed and this stream asked too often"
             if self._closed:

@@ -4,8 +4,11 @@ Every replica's stream is read and applied on the event loop that serves request
 event work is rationed there: one token bucket for all streams, refilled at
 RJ_KV_EVENTS_LOOP_SHARE seconds per second and holding at most BURST_S of it. Before each
 slice of reading (kvevents/subscriber.py: at most 64 messages or 5 ms, its events applied
-included) a stream waits while the bucket is empty; after it, the slice's time is taken out.
-Requests always get the rest of the loop, however much the engines send.
+included) a stream waits while the bucket is empty; after it, the slice's CPU time is taken
+out (the event loop thread's, with a worker thread's decoding: wall time would charge a stream
+for the moments the process was descheduled, on a busy host or under a container's CPU quota,
+and shed streams that did no more work than before). Requests always get the rest of the loop,
+however much the engines send.
 
 A stream that wants more than its share is shed: its socket is closed for a while (the
 engine's publisher drops what it sends meanwhile; nothing queues here), and its replica
