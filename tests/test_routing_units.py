@@ -247,6 +247,23 @@ def test_in_precise_mode_a_conversation_another_balancer_placed_continues_and_a_
         assert router.decide("chat", body, [0, 0], [True, True], held=shares).new_session, shares
 
 
+def test_in_precise_mode_a_harness_this_balancer_is_still_prefilling_is_its_own_not_another_balancers():
+    """The engine reports a harness's blocks while its first request is still in its prefill, before this balancer
+    learns it from the answer: the next new conversation on that harness is still new (placed for balance), not
+    taken for one another balancer placed (which follows the harness to its rank)."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True,
+                    in_flight=True)
+    first = router.decide("chat", _next_turn(1, 0), [0, 0], [True, True])
+    router.sent(0, first)  # in its prefill on replica 0, which reports the harness's blocks already
+    body = _next_turn(2, 0)
+    harness = router.decide("chat", body, [0, 0], [True, True])
+    share = first.fingerprint.covered_bytes(sum(1 for a, b in zip(first.fingerprint.blocks, harness.fingerprint.blocks)
+                                                if a == b)) / harness.fingerprint.prompt_bytes
+    assert router.decide("chat", body, [0, 0], [True, True], held=[share, 0.0]).new_session
+    router.settled(first)  # failed: never answered, so what replica 0 holds is someone else's
+    assert not router.decide("chat", body, [0, 0], [True, True], held=[share, 0.0]).new_session
+
+
 def test_while_caches_cut_live_conversations_new_ones_go_where_their_prefix_is():
     """Oversubscribed caches (continuing turns find their own history gone): new sessions are placed by the policy."""
     router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)

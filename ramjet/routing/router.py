@@ -70,7 +70,8 @@ class Router:
         keys their hash (the balancer draws one at start; the default is for tests and replays).
         `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
         against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): requests sent and not yet
-        answered count as holding their prefix on their replica (routing/in_flight.py; approximate index only)."""
+        answered count as holding their prefix on their replica (routing/in_flight.py) where the approximate
+        index decides; in precise mode they only count as sent (`_new_session`)."""
         self.params = params
         self.shortlist_above = shortlist_above
         self.policy: Policy = make_policy(policy, params)
@@ -162,15 +163,17 @@ class Router:
         memory, which eviction does not touch); a request whose session key was seen answered is never
         asked (decide_fingerprint: the key says it continues). In precise mode (`reported`: the bytes each
         replica's engine holds) it also continues one when an engine holds ELSEWHERE_BLOCKS blocks more of
-        it than this balancer's index says it ever sent: another balancer placed its earlier turns, and
-        every balancer, reading the same events, says so alike. While the caches evict live conversations
+        it than this balancer ever sent (answered, or still in flight: a harness's first prefill is
+        reported before it is answered): another balancer placed its earlier turns, and every balancer,
+        reading the same events, says so alike. While the caches evict live conversations
         (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
         (the policy's own placement), so that spreading them does not cost the room the live ones need.
         """
         if continued or self.index.continues(fp.blocks, overlaps):
             return False
-        if reported is not None:
-            sent = fp.covered_bytes(max(overlaps, default=0))
+        if reported is not None:  # what this balancer sent: answered (the index) or still in flight
+            ahead = self.in_flight.groups(fp.blocks) if self.in_flight is not None else []
+            sent = fp.covered_bytes(max(max(overlaps, default=0), ahead[-1][0] if ahead else 0))
             if max(reported, default=0.0) >= sent + ELSEWHERE_BLOCKS * self.params.chunk_bytes:
                 return False
         return not self.pressure.high()

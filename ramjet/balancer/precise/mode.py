@@ -23,9 +23,8 @@ fallback costs nothing but precision:
 - a stream shed over its budget (precise/intake.py: it sent more than its share of the
   loop, or than RJ_KV_EVENTS_MAX_RATE): trusted again only once its predictions agree, as
   after a partial stream. Its view is kept: it lacks only the batches shed, where an empty
-  one would lack every conversation the replica holds, and once trusted again send them
-  elsewhere (measured: at 64 developers, time scale 5, each replica shed a second of events
-  now and then and precise mode kept 88.7% of turns home against 96.6%);
+  one lacks every conversation the replica holds, which then moved elsewhere once it was
+  trusted again (docs/benchmarks.md: 88.7% of turns kept home at 64 developers, against 96.6%);
 - a view past RJ_KV_EVENTS_MAX_BLOCKS: forgotten (the approximate index keeps its own),
   trusted again only once its predictions agree.
 Every stream change is counted (`ramjet_kv_stream_states_total{kind}`), and logged, at most
