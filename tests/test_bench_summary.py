@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ramjet.bench.compare import CompareConfig, format_table
+from ramjet.bench.report import cell_name
 from ramjet.bench.summary import (by_context, ceiling, format_summary, in_window, percentile, stickiness, summarize,
                                   upstream_spread)
 from ramjet.bench.swarm import RequestRecord, _sum_stats
@@ -246,3 +247,11 @@ def test_the_balancers_admission_figures_are_numbers_the_report_prints():
     notes = "\n".join(placement_notes([{"placement": "relative", "seed": 1, "balancer": figures}],
                                       name=lambda r: "cell"))
     assert "admission_timeout 2" in notes and "admission_wait_mean_ms 2166.67" in notes
+
+
+def test_a_cell_whose_settings_hold_a_path_names_a_file_in_the_output_folder():
+    # `relative:RJ_ROUTE_JOURNAL=/tmp/j.jsonl` made requests/relative:RJ_ROUTE_JOURNAL=/tmp/j.jsonl-d40-....jsonl: no such
+    # folder, and the cell failed after its whole run
+    name = cell_name({"placement": "relative:RJ_ROUTE_JOURNAL=/tmp/j.jsonl", "developers": 40, "hicache": "off",
+                      "engines": 5, "repeat": 0})
+    assert "/" not in name and name == "relative:RJ_ROUTE_JOURNAL=_tmp_j.jsonl-d40-hcoff-e5-r0"

@@ -59,8 +59,9 @@ SWARM = RepeatSpec(SPREAD_COLUMNS, (("developers", "devs"), ("hicache", "HiCache
 
 
 def cell_name(cell: dict) -> str:
+    """A cell's name in file names and notes (a placement's settings may hold a path: its slashes go)."""
     name = f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
-    return name + (f"-r{cell['repeat']}" if "repeat" in cell else "")
+    return (name + (f"-r{cell['repeat']}" if "repeat" in cell else "")).replace("/", "_")
 
 
 def _cell_text(row: dict, key: str, fmt: str) -> str:
