@@ -58,8 +58,7 @@ SWARM = RepeatSpec(SPREAD_COLUMNS, (("developers", "devs"), ("hicache", "HiCache
                    (("turns_per_min", 1, "turns/min"), ("cache_ratio", 1, "cache"), ("ttft_p50", -1, "TTFT p50")))
 
 
-def cell_name(cell: dict) -> str:
-    """A cell's name in file names and notes (a placement's settings may hold a path: its slashes go)."""
+def cell_name(cell: dict) -> str:  # in file names: a placement's settings may hold a path, whose slashes go
     name = f"{cell['placement']}-d{cell['developers']}-hc{cell['hicache']}-e{cell['engines']}"
     return (name + (f"-r{cell['repeat']}" if "repeat" in cell else "")).replace("/", "_")
 
