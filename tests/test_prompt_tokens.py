@@ -37,6 +37,13 @@ def test_the_balancer_and_the_engine_compute_the_same_token_ids(balancer_side, b
     assert list(balancer_side.prompt("chat", body).ids) == list(engine.encode(engine.render(body)))
 
 
+def test_a_completions_prompt_gets_the_ids_of_one_whole_encode_with_special_tokens(balancer_side):
+    # encoded through the library's batch call (which lets the event loop run), not its single `encode`
+    text = "the whole prompt of a completions request " * 50
+    want = balancer_side.tokenizer.encode(text, add_special_tokens=True).ids
+    assert list(balancer_side.prompt("completions", {"prompt": text}).ids) == want
+
+
 @pytest.mark.parametrize("stride", [16, 64, STRIDE])
 def test_a_growing_conversation_tokenizes_as_a_cold_one_even_when_the_template_rewrites_history(balancer_side,
                                                                                                  stride):
