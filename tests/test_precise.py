@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from array import array
 from typing import NamedTuple
 
@@ -128,6 +129,8 @@ async def test_a_silent_stream_falls_back_and_recovers():
         precise.trust[0].owed(0.0)  # as if rank 0 answered a request long ago and never reported its blocks
         assert (await precise.match("chat", {"messages": [{"role": "user", "content": "x"}]})).shares[0] is None
         assert precise.report(0)["reason"] == "silent"
+        precise.tick(time.monotonic())  # silence comes with time alone: the gauge says so by the next sweep
+        assert await s.metric("ramjet_kv_precise", upstream="0") == 0
         await s.client.post("/v1/chat/completions", json={"model": "glm-5.3", "max_tokens": 1, "messages": [
             {"role": "user", "content": "speak " * 400}], "routed_dp_rank": 0})  # the balancer's pin wins
         await until(lambda: precise.report(0)["mode"] == "precise" or precise.report(1)["mode"] == "precise",
@@ -141,6 +144,24 @@ class Restarted(NamedTuple):
     stickiness: float  # the share of sessions whose fourth turn went where their third did
     history: float  # the fewest event batches a rank serving them had sent before the restart
     shed: float  # event streams the balancer before the restart shed (its batches are missing after it)
+
+
+@pytest.mark.e2e
+async def test_an_idle_replica_whose_blocks_were_reported_owes_nothing():
+    # An engine reports a prompt's blocks as it computes them, before the answer's usage arrives: a replica
+    # with nothing more to do then is idle, not silent (seen: replicas untrusted in 498 of 1,269 decisions at
+    # 40 replicas while their streams were complete)
+    async with precise_stack(dp=2) as s:
+        await until(lambda: all_precise(s, 2), "both replicas synced")
+        answered = await s.metric("ramjet_prefix_predictions_total", mode="precise")
+        home = int((await s.chat("a long task " * 400, max_tokens=4)).headers["x-ramjet-upstream"])
+        async def compared() -> bool:
+            return await s.metric("ramjet_prefix_predictions_total", mode="precise") > answered
+
+        await until(compared, "usage compared")
+        precise, later = s.balancer.precise, time.monotonic() + 60  # long past RJ_KV_EVENTS_SILENCE_MS
+        precise.tick(later)
+        assert precise.trust[home].trusted(later) and await s.metric("ramjet_kv_precise", upstream=str(home)) == 1
 
 
 async def sessions_across_a_balancer_restart(s, seed: int) -> Restarted:

@@ -242,9 +242,18 @@ def test_in_precise_mode_a_conversation_another_balancer_placed_continues_and_a_
     harness = max(alone.covered) / alone.fingerprint.prompt_bytes
     held = router.decide("chat", body, [0, 0], [True, True], held=[0.9, harness])
     assert not held.new_session and held.ranking.order[0] == 0
-    one_block = CHUNK / alone.fingerprint.prompt_bytes
-    for shares in ([harness, harness], [harness + 0.5 * one_block, harness]):  # nothing, or under a block, more
+    fp, depth = alone.fingerprint, max(alone.overlaps)
+    one_block, reach = CHUNK / fp.prompt_bytes, fp.covered_bytes(depth + 1) / fp.prompt_bytes
+    # nothing more; or up to the end of the block the harness ends in (an engine counts in tokens), and under a
+    # block beyond it
+    for shares in ([harness, harness], [reach + 0.9 * one_block, harness]):
         assert router.decide("chat", body, [0, 0], [True, True], held=shares).new_session, shares
+    long = _next_turn(3, 80)  # 100 KB: the report, a share of tokens read as one of bytes, may be 1% over
+    d = router.decide("chat", long, [0, 0], [True, True])
+    assert d.new_session and d.fingerprint.prompt_bytes > 100_000
+    over = (max(d.covered) + 0.015 * d.fingerprint.prompt_bytes) / d.fingerprint.prompt_bytes  # 6 blocks more
+    assert router.decide("chat", long, [0, 0], [True, True], held=[over, 0.0]).new_session
+    assert not router.decide("chat", long, [0, 0], [True, True], held=[0.5, 0.0]).new_session
 
 
 def test_in_precise_mode_a_harness_this_balancer_is_still_prefilling_is_its_own_not_another_balancers():

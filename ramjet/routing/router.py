@@ -32,6 +32,11 @@ from ramjet.routing.units import load_units
 
 
 ELSEWHERE_BLOCKS = 1  # blocks an engine must hold beyond what this balancer sent for a request to be someone else's
+# An engine's report is a share of the prompt's tokens, read as that share of its bytes: a prompt whose tail
+# takes more bytes per token than its head (JSON-escaped tool calls) overstates the bytes held, by up to 1.1%
+# of the prompt in the swarm's first turns (measured: 2.6 KB of 280 KB, more than a block). So an engine must
+# also hold this share of the prompt beyond the block boundary that ends what this balancer sent.
+ELSEWHERE_SHARE = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +167,11 @@ class Router:
         end marks) or when it holds an earlier request's whole chain (`continued`: the conversation
         memory, which eviction does not touch); a request whose session key was seen answered is never
         asked (decide_fingerprint: the key says it continues). In precise mode (`reported`: the bytes each
-        replica's engine holds) it also continues one when an engine holds ELSEWHERE_BLOCKS blocks more of
-        it than this balancer ever sent (answered, or still in flight: a harness's first prefill is
-        reported before it is answered): another balancer placed its earlier turns, and every balancer,
-        reading the same events, says so alike. While the caches evict live conversations
+        replica's engine holds) it also continues one when an engine holds ELSEWHERE_BLOCKS blocks and
+        ELSEWHERE_SHARE of the prompt more of it than this balancer ever sent (answered, or still in
+        flight: a harness's first prefill is reported before it is answered), counted from the end of the
+        block where what it sent ends (an engine counts tokens, this balancer blocks of bytes): another
+        balancer placed its earlier turns, and every balancer, reading the same events, says so alike. While the caches evict live conversations
         (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
         (the policy's own placement), so that spreading them does not cost the room the live ones need.
         """
@@ -173,8 +179,10 @@ class Router:
             return False
         if reported is not None:  # what this balancer sent: answered (the index) or still in flight
             ahead = self.in_flight.groups(fp.blocks) if self.in_flight is not None else []
-            sent = fp.covered_bytes(max(max(overlaps, default=0), ahead[-1][0] if ahead else 0))
-            if max(reported, default=0.0) >= sent + ELSEWHERE_BLOCKS * self.params.chunk_bytes:
+            depth = max(max(overlaps, default=0), ahead[-1][0] if ahead else 0)
+            sent = fp.covered_bytes(min(depth + 1, len(fp.blocks)))  # to the end of the block it ends in
+            margin = max(ELSEWHERE_BLOCKS * self.params.chunk_bytes, ELSEWHERE_SHARE * fp.prompt_bytes)
+            if max(reported, default=0.0) >= sent + margin:
                 return False
         return not self.pressure.high()
 

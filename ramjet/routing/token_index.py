@@ -171,6 +171,10 @@ class TokenIndex:
             if h not in media:
                 del ours[theirs]
 
+    def reported(self, replica: int, h: int) -> bool:
+        """Did `replica`'s engine report block `h` (it holds it, or removed it since)?"""
+        return h in self._media[replica] or h in self._gone[replica]
+
     def removed_since(self, replica: int, hashes: list[int], mark: int) -> bool:
         """Did any of these blocks leave the replica's GPU (or its whole cache) after `removals` was `mark`?"""
         gone = self._gone[replica]

@@ -100,6 +100,7 @@ class PreciseMode:
         self.index = matcher.index
         self.s = settings
         self.trust = [Trust() for _ in replicas]
+        self._shown = [False] * len(replicas)  # each replica's standing as the gauge and the log last said
         self.streaming = [False] * len(replicas)
         self._media: list[set[str]] = [set() for _ in replicas]  # tiers each replica has reported
         self._streams: list[EventStream | None] = [None] * len(replicas)
@@ -175,13 +176,14 @@ class PreciseMode:
         if reported < held.tokens - block and (hashes := self._chain(i, match)):
             end = reported // block  # the first block the engine did not find
             consistent = self.index.removed_since(i, hashes[max(end - 1, 0):end + 2], match.removals)
-        was = self.trust[i].trusted(time.monotonic())
         self.trust[i].compare(consistent)
-        if prompt_tokens - reported >= 2 * block:  # it computed whole new blocks: the engine will report them
+        hashes = self._chain(i, match)
+        if prompt_tokens - reported >= 2 * block and not (hashes and self.index.reported(i, hashes[-1])):
+            # it computed whole new blocks the engine has not reported yet: a batch is owed
             self.trust[i].owed(time.monotonic() + self.s.silence_s)
         self.metrics.predictions.labels("precise", str(agreed).lower()).inc()
         self.metrics.predictions.labels("approximate", str(abs(approximate - reported) <= block).lower()).inc()
-        self._mode_changed(i, was)
+        self._mode_changed(i)
 
     # --- streams ---------------------------------------------------------------------
     async def run(self, client: EngineClient) -> None:
@@ -207,6 +209,7 @@ class PreciseMode:
         for i, stream in enumerate(self._streams):
             if stream is not None:
                 self.ingest.refused(i, stream.counters)
+            self._mode_changed(i, now)  # a stream that owes a batch turns silent with time alone
 
     async def _follow(self, i: int, endpoints: Endpoints) -> None:
         """Follow replica i's stream until closed. A stream that fails (its socket cannot open: a bad endpoint, the
@@ -218,13 +221,12 @@ class PreciseMode:
                 await self._follow_stream(i, endpoints)
                 return
             except (ValueError, OSError, zmq.ZMQError) as exc:
-                was = self.trust[i].trusted(time.monotonic())
                 self.forget(i)
                 self.metrics.kv_stream_states.labels(*self.replicas[i].labels, "failed").inc()
                 self.trust[i].stream("failed")
                 self._say(i, "failed", f"the stream from {endpoints.events} failed ({exc}); it is opened again "
                                        f"in {backoff:g}s")
-                self._mode_changed(i, was)
+                self._mode_changed(i)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, RETRY_MAX_S)
 
@@ -241,7 +243,6 @@ class PreciseMode:
         self._streams[i] = stream
         try:
             async for item in stream.items():
-                was = self.trust[i].trusted(time.monotonic())
                 if isinstance(item, StreamState):
                     self._stream_changed(i, item)
                 elif len(item.events) > SLICE_EVENTS:
@@ -252,7 +253,7 @@ class PreciseMode:
                 self.ingest.refused(i, stream.counters)
                 if stream.complete and not self.trust[i].synced and not self.trust[i].lost:
                     self.trust[i].synced_from_start()
-                self._mode_changed(i, was)
+                self._mode_changed(i)
         finally:
             stream.close()
             self.ingest.refused(i, stream.counters)
@@ -292,12 +293,15 @@ class PreciseMode:
         for medium in self._media[i]:
             self.metrics.kv_resident_tokens.labels(*self.replicas[i].labels, medium).set(resident.get(medium, 0))
 
-    def _mode_changed(self, i: int, was: bool) -> None:
-        now = self.trust[i].trusted(time.monotonic())
+    def _mode_changed(self, i: int, at: float | None = None) -> None:
+        """Show replica i's standing (the gauge, a log line when it changed)."""
+        was, now = self._shown[i], self.trust[i].trusted(time.monotonic() if at is None else at)
+        if now == was:
+            return
+        self._shown[i] = now
         self._gauges[i].kv_precise.set(1 if now else 0)
-        if now != was:
-            log.info("upstream %s routes %s%s", self.replicas[i].ordinal, "precisely" if now else "approximately",
-                     "" if now else f" ({self.trust[i].reason})")
+        log.info("upstream %s routes %s%s", self.replicas[i].ordinal, "precisely" if now else "approximately",
+                 "" if now else f" ({self.trust[i].reason})")
 
     def forget(self, i: int) -> None:
         """The replica's cache is gone (its engine stopped, or its stream restarted or dropped): whatever it held
