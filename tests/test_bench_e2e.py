@@ -108,6 +108,12 @@ def test_paired_repeats_share_a_seed_and_report_paired_differences():
     # the same difference in every pair: an interval of width 0 that excludes zero (*); none for equal TTFTs
     assert "| precise | 16 | off | 1 | 3 | +1.0 ±0.0* (+1.0..+1.0) | +1.0 ±0.0* (+1.0..+1.0) | +0.00 ±0.00 (" in text
     assert text.rstrip().endswith("| 3/3/0 of 3 |")  # turns/min and cache better in every pair, TTFT p50 tied
+    # a second paired run from seed 7 (its repeats numbered from 0 again): its rows pair among themselves
+    more = [{**c, "turns_per_min": 70.0 + 3 * (c["placement"] == "precise"), "cache_ratio": 0.9, "ttft_p50": 0.5,
+             "ttft_p90": 1.0, "stickiness": 0.99} for c in CompareConfig(
+                 placements=["relative", "precise"], developers=[16], repeats=2, seed=7, paired=True).cells()]
+    assert "| precise | 16 | off | 1 | 5 | +0.6 ±0.7 (+0.0..+1.0) | +1.8 ±1.4* (+1.0..+3.0) |" in \
+        format_repeats(rows + more)
 
 
 @pytest.mark.unit

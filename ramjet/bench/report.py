@@ -198,8 +198,11 @@ def _values(rows: list[dict], key: str, fmt: str) -> list[float]:
 
 
 def _paired_diffs(base: list[dict], mine: list[dict], spec: RepeatSpec = SWARM) -> str | None:
-    by_repeat = {r.get("repeat", 0): r for r in base}
-    pairs = [(by_repeat[r.get("repeat", 0)], r) for r in mine if r.get("repeat", 0) in by_repeat]
+    def pair(r: dict) -> tuple:  # the seed too: rows of several paired runs (seeds 11-13, then 14-15) combine
+        return r.get("seed"), r.get("repeat", 0)
+
+    by_pair = {pair(r): r for r in base}
+    pairs = [(by_pair[pair(r)], r) for r in mine if pair(r) in by_pair]
     if not pairs:
         return None
     cells = []
