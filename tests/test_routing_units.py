@@ -243,11 +243,12 @@ def test_in_precise_mode_a_conversation_another_balancer_placed_continues_and_a_
     held = router.decide("chat", body, [0, 0], [True, True], held=[0.9, harness])
     assert not held.new_session and held.ranking.order[0] == 0
     fp, depth = alone.fingerprint, max(alone.overlaps)
-    one_block, reach = CHUNK / fp.prompt_bytes, fp.covered_bytes(depth + 1) / fp.prompt_bytes
-    # nothing more; or up to the end of the block the harness ends in (an engine counts in tokens), and under a
-    # block beyond it
-    for shares in ([harness, harness], [reach + 0.9 * one_block, harness]):
+    sent, one_block = fp.covered_bytes(depth) / fp.prompt_bytes, CHUNK / fp.prompt_bytes
+    # nothing more; or into the block the harness ends in (an engine counts in tokens), read 1% over
+    for shares in ([harness, harness], [sent + 0.95 * one_block + 0.01, harness]):
         assert router.decide("chat", body, [0, 0], [True, True], held=shares).new_session, shares
+    # a block and 2% beyond what this balancer sent: a turn another balancer placed (one too short to tell is new)
+    assert not router.decide("chat", body, [0, 0], [True, True], held=[sent + one_block + 0.021, harness]).new_session
     long = _next_turn(3, 80)  # 100 KB: the report, a share of tokens read as one of bytes, may be 1% over
     d = router.decide("chat", long, [0, 0], [True, True])
     assert d.new_session and d.fingerprint.prompt_bytes > 100_000

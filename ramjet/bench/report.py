@@ -198,11 +198,8 @@ def _values(rows: list[dict], key: str, fmt: str) -> list[float]:
 
 
 def _paired_diffs(base: list[dict], mine: list[dict], spec: RepeatSpec = SWARM) -> str | None:
-    def pair(r: dict) -> tuple:  # the seed too: rows of several paired runs (seeds 11-13, then 14-15) combine
-        return r.get("seed"), r.get("repeat", 0)
-
-    by_pair = {pair(r): r for r in base}
-    pairs = [(by_pair[pair(r)], r) for r in mine if pair(r) in by_pair]
+    by_pair = {(r.get("seed"), r.get("repeat", 0)): r for r in base}  # by seed too: several runs' rows combine
+    pairs = [(by_pair[k], r) for r in mine if (k := (r.get("seed"), r.get("repeat", 0))) in by_pair]
     if not pairs:
         return None
     cells = []

@@ -31,11 +31,12 @@ from ramjet.routing.shortlist import DEFAULT_ABOVE, rank_shortlist, shortlist, v
 from ramjet.routing.units import load_units
 
 
-ELSEWHERE_BLOCKS = 1  # blocks an engine must hold beyond what this balancer sent for a request to be someone else's
-# An engine's report is a share of the prompt's tokens, read as that share of its bytes: a prompt whose tail
-# takes more bytes per token than its head (JSON-escaped tool calls) overstates the bytes held, by up to 1.1%
-# of the prompt in the swarm's first turns (measured: 2.6 KB of 280 KB, more than a block). So an engine must
-# also hold this share of the prompt beyond the block boundary that ends what this balancer sent.
+# What an engine must hold beyond the whole blocks this balancer sent for a request to be someone else's: the
+# block where a shared prefix ends (an engine counts tokens into it, this balancer whole blocks of bytes), and a
+# share of the prompt, because an engine's report is a share of tokens read as that share of bytes: a prompt
+# whose tail takes more bytes per token than its head (JSON-escaped tool calls) overstates the bytes held, by up
+# to 1.1% of the prompt in the swarm's first turns (measured: 2.6 KB of 280 KB, more than a block).
+ELSEWHERE_BLOCKS = 1
 ELSEWHERE_SHARE = 0.02
 
 
@@ -121,8 +122,9 @@ class Router:
                 flying = self.in_flight.deepest(fp.blocks)[0]
         by_depth = {depth: fp.covered_bytes(depth) for depth, _ in groups}  # a few, however many replicas
         covered: Sequence[float] = _ByDepth(overlaps, by_depth)
+        reported = None
         if held is not None and self.policy.reads_overlap:
-            covered = list(map(mul, held, repeat(fp.prompt_bytes))) if None not in held else \
+            covered = reported = list(map(mul, held, repeat(fp.prompt_bytes))) if None not in held else \
                 [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
             if n > self.shortlist_above:
                 groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
@@ -130,7 +132,7 @@ class Router:
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation
         new_session = self.balance_new_sessions and known is None \
-            and self._new_session(fp, overlaps, continued, covered if held is not None else None)
+            and self._new_session(fp, overlaps, continued, reported)
         policy = self.new_sessions if new_session else self.policy
         demand = self.demand.snapshot() if new_session else None
         key = fp.blocks[-1] if fp.blocks else 0
@@ -169,8 +171,7 @@ class Router:
         asked (decide_fingerprint: the key says it continues). In precise mode (`reported`: the bytes each
         replica's engine holds) it also continues one when an engine holds ELSEWHERE_BLOCKS blocks and
         ELSEWHERE_SHARE of the prompt more of it than this balancer ever sent (answered, or still in
-        flight: a harness's first prefill is reported before it is answered), counted from the end of the
-        block where what it sent ends (an engine counts tokens, this balancer blocks of bytes): another
+        flight: a harness's first prefill is reported before it is answered): another
         balancer placed its earlier turns, and every balancer, reading the same events, says so alike. While the caches evict live conversations
         (routing/pressure.py, fed by `answered`), new ones go where their shared prefix already is
         (the policy's own placement), so that spreading them does not cost the room the live ones need.
@@ -180,9 +181,8 @@ class Router:
         if reported is not None:  # what this balancer sent: answered (the index) or still in flight
             ahead = self.in_flight.groups(fp.blocks) if self.in_flight is not None else []
             depth = max(max(overlaps, default=0), ahead[-1][0] if ahead else 0)
-            sent = fp.covered_bytes(min(depth + 1, len(fp.blocks)))  # to the end of the block it ends in
-            margin = max(ELSEWHERE_BLOCKS * self.params.chunk_bytes, ELSEWHERE_SHARE * fp.prompt_bytes)
-            if max(reported, default=0.0) >= sent + margin:
+            margin = ELSEWHERE_BLOCKS * self.params.chunk_bytes + ELSEWHERE_SHARE * fp.prompt_bytes
+            if max(reported, default=0.0) >= fp.covered_bytes(depth) + margin:
                 return False
         return not self.pressure.high()
 
