@@ -36,6 +36,18 @@ def test_the_index_tells_when_what_a_request_would_evict_was_last_touched():
     assert PrefixIndex([2]).evicts_touched(0, 5) is None  # nothing held: nothing to evict
 
 
+@pytest.mark.unit
+def test_the_index_tells_how_much_of_a_chain_outlives_the_prefills_queued_ahead():
+    index = PrefixIndex([10])
+    index.record(0, [1, 2, 3, 4], now=5.0)   # a harness (1, 2) and a conversation's own history (3, 4)
+    index.record(0, [1, 2, 7, 8], now=9.0)   # another conversation on the harness touches it later
+    assert index.survives(0, [1, 2, 3, 4, 5], 4, 4) == 4  # 6 held + 4 fit: all four leading blocks stay
+    assert index.survives(0, [1, 2, 3, 4, 5], 4, 5) == 3  # one pushed out: the older history's tail
+    assert index.survives(0, [1, 2, 3, 4, 5], 4, 6) == 2  # two: all of that history; the harness, newer, stays
+    assert index.survives(0, [1, 2, 7, 8], 4, 6) == 4     # the newer conversation outlives the older
+    assert index.survives(0, [1, 2, 7, 8], 4, 50) == 0    # everything goes
+
+
 def _router(capacity_blocks: int) -> Router:
     return Router("relative", Params(chunk_bytes=CHUNK), [capacity_blocks, capacity_blocks], 1 << 22)
 

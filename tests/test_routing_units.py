@@ -291,6 +291,30 @@ def test_while_caches_cut_live_conversations_new_ones_go_where_their_prefix_is()
     assert not router.pressure.high()
 
 
+def test_in_precise_mode_under_pressure_a_home_whose_queue_will_evict_the_history_loses_its_credit():
+    """The engine reports what its cache holds now; on a full cache the prefills queued ahead push out its least
+    recently touched blocks first. A conversation idle for longer than that has no history there by its turn: while
+    the caches cut live conversations, the turn is placed by load among the holders of its harness."""
+    router = Router("relative", Params(chunk_bytes=CHUNK), [200, 200], 1 << 20)
+    _turns(router, 1, 2, replica=0)              # the conversation, idle since
+    for other in range(2, 10):                   # newer conversations on the same harness fill replica 0
+        _turns(router, other, 1, replica=0)
+    _turns(router, 20, 1, replica=1)             # replica 1 holds the harness
+    body = _next_turn(1, 2)
+    seen = router.decide("chat", body, [0, 0], [True, True])
+    held = [c / seen.fingerprint.prompt_bytes for c in seen.covered]  # what the engines report: as the index
+    assert held[0] > held[1] > 0
+    queued = [1.0, 0.0]                          # a unit of prefill queued on home: 128 blocks
+    assert router.decide("chat", body, queued, [True, True], held=held).ranking.order[0] == 0
+    for _ in range(64):
+        router.pressure.observe(True)            # continuing turns keep finding their history cut
+    assert router.pressure.high()
+    moved = router.decide("chat", body, queued, [True, True], held=held)
+    assert moved.ranking.order[0] == 1 and moved.covered[0] == moved.covered[1]  # both: the harness
+    assert router.decide("chat", body, [0, 0], [True, True], held=held).ranking.order[0] == 0  # no queue: home
+    assert router.decide("chat", body, queued, [True, True]).ranking.order[0] == 0  # the index alone: unchanged
+
+
 def test_deciding_changes_nothing_the_next_decision_sees():
     """decide is a query (the operator API's explain asks it): only answers teach the router."""
     router = Router("relative", Params(chunk_bytes=CHUNK), [10_000, 10_000], 1 << 20, balance_new_sessions=True)

@@ -91,6 +91,16 @@ class PrefixIndex:
             return next(reversed(lru.values()), None)
         return next(islice(lru.values(), excess - 1, None))
 
+    def survives(self, replica: int, blocks: list[int], depth: int, new_blocks: int) -> int:
+        """Of the first `depth` blocks of `blocks` (held on `replica`), how many still lead the chain once
+        `new_blocks` more have pushed its least recently touched out (few, while it is full: a set of them)."""
+        lru = self._lru[replica]
+        excess = len(lru) + new_blocks - self._capacity[replica]
+        if excess <= 0:
+            return depth
+        gone = set(islice(lru, excess))
+        return next((i for i in range(depth) if blocks[i] in gone), depth)
+
     def continues(self, blocks: list[int], overlaps: list[int]) -> bool:
         """Does the request extend a conversation: does its deepest match end where an answered request ended?
 

@@ -126,6 +126,8 @@ class Router:
         if held is not None and self.policy.reads_overlap:
             covered = reported = list(map(mul, held, repeat(fp.prompt_bytes))) if None not in held else \
                 [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
+            if self.pressure.high():
+                covered = self._after_queues(fp, overlaps, covered, loads)
             if n > self.shortlist_above:
                 groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
         continued = max(self.conversations.continued_depth(fp.blocks), flying) if self.balance_new_sessions else 0
@@ -160,6 +162,21 @@ class Router:
         if pinned:
             ranking = ranking.pinned(home, "session")
         return Decision(fp, overlaps, covered, ranking, new_session, policy.name, continued, hint, home, pinned)
+
+    def _after_queues(self, fp: Fingerprint, overlaps: list[int], reported: list[float],
+                      loads: Sequence[float]) -> list[float]:
+        """What each replica will still hold of the prompt when its turn comes, while the caches evict live
+        conversations (precise mode): the engine reports its cache as it is now, but the prefill queued ahead (a
+        replica's load, in blocks) first pushes out its least recently used blocks, in the index's LRU order
+        (docs/design.md, "What the queue ahead will evict")."""
+        blocks_per_unit = self.params.blocks_per_unit
+        out = list(reported)
+        for i, load in enumerate(loads):
+            if load > 0 and overlaps[i] > 0:
+                left = self.index.survives(i, fp.blocks, overlaps[i], int(load * blocks_per_unit))
+                if left < overlaps[i]:
+                    out[i] = min(out[i], fp.covered_bytes(left))
+        return out
 
     def _new_session(self, fp: Fingerprint, overlaps: list[int], continued: int,
                      reported: Sequence[float] | None) -> bool:
