@@ -84,7 +84,7 @@ class PrefixIndex:
         """When the most recently touched of the blocks that `new_blocks` more would push out of `replica` was
         last touched; None when they fit beside what it holds."""
         lru = self._lru[replica]
-        excess = len(lru) + new_blocks - self._capacity[replica]
+        excess = self._excess(replica, new_blocks)
         if excess <= 0:
             return None
         if excess >= len(lru):  # everything goes
@@ -94,12 +94,15 @@ class PrefixIndex:
     def survives(self, replica: int, blocks: list[int], depth: int, new_blocks: int) -> int:
         """Of the first `depth` blocks of `blocks` (held on `replica`), how many still lead the chain once
         `new_blocks` more have pushed its least recently touched out (few, while it is full: a set of them)."""
-        lru = self._lru[replica]
-        excess = len(lru) + new_blocks - self._capacity[replica]
+        excess = self._excess(replica, new_blocks)
         if excess <= 0:
             return depth
-        gone = set(islice(lru, excess))
+        gone = set(islice(self._lru[replica], excess))
         return next((i for i in range(depth) if blocks[i] in gone), depth)
+
+    def _excess(self, replica: int, new_blocks: int) -> int:
+        """How many held blocks `new_blocks` more would push out of `replica` (<= 0: they fit)."""
+        return len(self._lru[replica]) + new_blocks - self._capacity[replica]
 
     def continues(self, blocks: list[int], overlaps: list[int]) -> bool:
         """Does the request extend a conversation: does its deepest match end where an answered request ended?
