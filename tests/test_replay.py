@@ -11,6 +11,7 @@ from ramjet.balancer.proxy.journal import Journal
 from ramjet.cli import main
 from ramjet.demo.sessions import run_sessions
 from ramjet.replay.cache import CacheModel, cached_tokens
+from ramjet.replay.decisions import make_router
 from ramjet.replay.figures import Model, stickiness
 from ramjet.replay.journal import JournalError, Request, load_journal
 from ramjet.replay.placements import PlacementError, parse_placements
@@ -221,6 +222,8 @@ def test_loading_orders_by_arrival_and_rebuilds_fingerprints(tmp_path):
     ([HEADER, record(), {**HEADER, "policy": "absolute"}], "line 3: a header with other routing settings"),
     ([{**HEADER, "params": {"alpha": "2"}}], "bad header: params must map"),
     ([{"journal": 1, "policy": "nearest"}], "bad header: policy 'nearest'"),
+    ([{**HEADER, "host_capacities": [10]}], "bad header: host_capacities must list one integer"),
+    ([{**HEADER, "host_credit": 2}], "bad header: host_credit must be a number from 0 to 1"),
 ])
 def test_journal_errors_name_the_line_and_the_cause(tmp_path, lines, message):
     with pytest.raises(JournalError, match=message):
@@ -232,6 +235,20 @@ def test_a_header_gives_the_recording_settings_and_a_repeated_one_is_a_restart(t
     recording = load_journal(write_journal(tmp_path / "j.jsonl", [HEADER, record(), HEADER, record(ts=1.0)]))
     assert recording.params == Params(alpha=2.0) and recording.index_capacities == [50, 50]
     assert recording.notes == ["1 later balancer start(s) in the journal: the replay keeps one router throughout"]
+    assert recording.host_capacities is None and recording.host_credit == 1.0
+
+
+@pytest.mark.unit
+def test_a_recorded_host_tier_is_the_replayed_routers(tmp_path):
+    """A balancer told of a host tier (RJ_ROUTE_HOST_TIER_TOKENS) keeps what its device pushes out and prices it
+    as a reload: the replay's router must do the same to re-decide as it did."""
+    header = {**HEADER, "host_capacities": [100, 100], "host_credit": 0.9}
+    recording = load_journal(write_journal(tmp_path / "j.jsonl", [header, record()]))
+    assert recording.host_capacities == [100, 100] and recording.host_credit == 0.9
+    router = make_router(recording, parse_placements("relative")[0], recording.index_capacities)
+    for start in range(0, 60, 6):  # 60 blocks through a device of 50: the oldest go to the host tier
+        router.index.record(0, list(range(start + 1, start + 7)))
+    assert router.host_credit == 0.9 and router.index.on_host([1, 2], [2, 0]) == {0: 2}
 
 
 @pytest.mark.unit

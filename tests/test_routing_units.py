@@ -123,6 +123,49 @@ def test_index_lru_evicts_oldest_but_keeps_leading_blocks_of_a_chain():
     assert ix.size(0) == 0 and ix.overlaps([10]) == [0]
 
 
+def test_with_a_host_tier_what_the_device_pushes_out_is_held_there_until_touched_or_pushed_out_again():
+    ix = PrefixIndex([4], host_capacities=[4])
+    a, b, c = [1, 2, 3, 4], [11, 12, 13, 14], [21, 22, 23, 24]
+    ix.record(0, a)
+    ix.record(0, b)                                   # a goes to the host tier, still held
+    assert ix.overlaps(a) == [4] and ix.on_host(a, [4]) == {0: 4} and ix.on_host(b, [4]) == {}
+    assert ix.export(0) == [4, 3, 2, 1, 14, 13, 12, 11]  # least recently used first: the host tier, then the device
+    ix.record(0, a)                                   # touched again: reloaded to the device, b goes to the host
+    assert ix.on_host(a, [4]) == {} and ix.on_host(b, [4]) == {0: 4}
+    ix.record(0, c)                                   # a to the host, which pushes b out
+    assert ix.overlaps(b) == [0] and ix.overlaps(a) == [4] and ix.on_host(a, [4]) == {0: 4}
+    assert ix.on_host(a, [2]) == {0: 2}               # only what the replica's match covers
+    no_host = PrefixIndex([4])
+    for chain_ in (a, b):
+        no_host.record(0, chain_)
+    assert no_host.overlaps(a) == [0] and no_host.on_host(a, [0]) == {}
+    ix.clear(0)
+    assert ix.size(0) == 0 and ix.overlaps(a) == [0] and ix.on_host(a, [4]) == {}
+
+
+def test_a_prefix_held_only_on_the_host_tier_is_priced_as_a_reload_and_loses_to_one_on_the_device():
+    """HiCache: a rank whose copy of the conversation went to host memory serves it after a reload, about a tenth
+    of a prefill; at equal load the rank holding it on the device is cheaper, and the reload still beats a prefill."""
+    def router(credit: float) -> Router:
+        r = Router("relative", Params(chunk_bytes=CHUNK), [60, 60], 1 << 20, host_capacities=[400, 400],
+                   host_credit=credit)
+        _turns(r, 1, 2, replica=0)
+        _turns(r, 1, 2, replica=1)
+        for other in range(2, 10):                    # newer conversations push it to replica 0's host tier
+            _turns(r, other, 1, replica=0)
+        return r
+    body = _next_turn(1, 2)
+    priced = router(0.9).decide("chat", body, [0, 0], [True, True])
+    on_host = router(0.9).index.on_host(priced.fingerprint.blocks, priced.overlaps)
+    assert priced.overlaps[0] == priced.overlaps[1] and on_host.get(0, 0) > 0 and 1 not in on_host
+    assert priced.covered[0] == pytest.approx(priced.covered[1] - 0.1 * on_host[0] * CHUNK)
+    assert priced.ranking.order[0] == 1
+    flat = router(1.0).decide("chat", body, [0, 0], [True, True])  # a reload priced as free: the two tie
+    assert flat.covered[0] == flat.covered[1]
+    busy = router(0.9).decide("chat", body, [0, 2.0], [True, True])  # the device copy's rank is busy: the reload
+    assert busy.ranking.order[0] == 0
+
+
 def test_credit_bases():
     overlaps = [100, 95, 40, 0]
     serving = [True] * 4

@@ -83,6 +83,11 @@ class Derived:
             return self.route_index_capacity
         return max(1, math.ceil(tokens * BYTES_PER_TOKEN / self.route_chunk_bytes))
 
+    def host_capacity_for(self) -> int:
+        """Index entries (blocks) for one replica's host tier (RJ_ROUTE_HOST_TIER_TOKENS), beside its device's:
+        as many blocks as the tier holds tokens, at the same bytes per token; 0: no host tier."""
+        return math.ceil(self.route_host_tier_tokens * BYTES_PER_TOKEN / self.route_chunk_bytes)
+
     api_host = _addr_part("api_addr", 0)
     api_port = _addr_part("api_addr", 1)
     metrics_host = _addr_part("metrics_addr", 0)

@@ -56,6 +56,7 @@ class Settings(RustCompat, Derived):
     route_max_overlap_blocks: PositiveInt = 32
     route_index_capacity: PositiveInt = 100_000
     route_kv_capacity_tokens: PositiveInt | None = None
+    route_host_tier_tokens: NonNegativeInt = 0   # per replica, on the host tier (HiCache): a reload, not a prefill
     route_load_unit_bytes: PositiveInt = 32768
     route_max_load_units: PositiveInt = 8
     route_max_attempts: PositiveInt = 3

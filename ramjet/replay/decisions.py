@@ -31,7 +31,8 @@ def make_router(recording: Recording, placement: Placement, index_capacities: li
                   max_prefix_bytes=0,  # unused: fingerprints come already cut at the recording's cap
                   balance_new_sessions=placement.new_sessions(recording.new_sessions) == "balance",
                   session_hints=placement.session_hints(recording.session_hints),
-                  in_flight=placement.in_flight(recording.in_flight))
+                  in_flight=placement.in_flight(recording.in_flight),
+                  host_capacities=recording.host_capacities, host_credit=recording.host_credit)
 
 
 def redecide(recording: Recording, router: Router, loads: str) -> list[int]:

@@ -55,6 +55,8 @@ class Recording:
     index_capacities: list[int] | None  # None: the journal has no header
     requests: list[Request]           # in arrival order
     notes: list[str]                  # what the replay cannot reproduce, for the report
+    host_capacities: list[int] | None = None  # the index's host tier (RJ_ROUTE_HOST_TIER_TOKENS); None: none
+    host_credit: float = 1.0          # what a block held there only was worth (RJ_KV_HOST_TIER_CREDIT)
 
 
 def load_journal(path: str | Path) -> Recording:
@@ -87,7 +89,8 @@ def load_journal(path: str | Path) -> Recording:
     if header:
         return Recording(name, replicas, header["policy"], Params(**header["params"]), header["new_sessions"],
                          bool(header.get("session_hints")), bool(header.get("in_flight")),
-                         list(header["index_capacities"]), requests, notes)
+                         list(header["index_capacities"]), requests, notes, header.get("host_capacities"),
+                         header.get("host_credit", 1.0))
     policies = lines.policies
     balance = policies.pop("new_sessions", 0) > 0
     policy = policies.most_common(1)[0][0] if policies else POLICY_NAMES[0]  # all new sessions: the default basis
@@ -155,7 +158,7 @@ class _Lines:
 
 def _settings(header: dict) -> tuple:
     return tuple(header.get(k) for k in ("policy", "params", "replicas", "index_capacities", "new_sessions",
-                                         "session_hints", "in_flight"))
+                                         "session_hints", "in_flight", "host_capacities", "host_credit"))
 
 
 def _check_header(obj: dict, where: str) -> dict:
@@ -176,6 +179,12 @@ def _check_header(obj: dict, where: str) -> dict:
     if not (isinstance(capacities, list) and len(capacities) == replicas
             and all(isinstance(c, int) and c > 0 for c in capacities)):
         problems.append("index_capacities must list one positive integer per replica")
+    hosts = obj.get("host_capacities", [0] * (replicas if isinstance(replicas, int) else 0))
+    if not (isinstance(hosts, list) and len(hosts) == replicas and all(type(c) is int and c >= 0 for c in hosts)):
+        problems.append("host_capacities must list one integer >= 0 per replica")
+    credit = obj.get("host_credit", 1.0)
+    if type(credit) not in (int, float) or not 0 <= credit <= 1:
+        problems.append("host_credit must be a number from 0 to 1")
     if obj.get("new_sessions") not in ("affinity", "balance"):
         problems.append("new_sessions must be affinity or balance")
     for flag in ("session_hints", "in_flight"):  # absent: a journal from before that setting

@@ -28,7 +28,7 @@ from ramjet.routing.policy import Candidates, Params, Policy, Ranking, Rendezvou
 from ramjet.routing.pressure import Pressure
 from ramjet.routing.sessions import SessionKeys
 from ramjet.routing.shortlist import DEFAULT_ABOVE, rank_shortlist, shortlist, value_groups
-from ramjet.routing.units import load_units
+from ramjet.routing.units import load_units, reload_priced
 
 
 # What an engine must hold beyond the whole blocks this balancer sent for a request to be someone else's: the
@@ -71,20 +71,24 @@ class Decision:
 class Router:
     def __init__(self, policy: str, params: Params, index_capacities: list[int], max_prefix_bytes: int,
                  balance_new_sessions: bool = False, session_hints: bool = False, hint_salt: bytes = b"",
-                 shortlist_above: int = DEFAULT_ABOVE, in_flight: bool = False):
+                 shortlist_above: int = DEFAULT_ABOVE, in_flight: bool = False,
+                 host_capacities: list[int] | None = None, host_credit: float = 1.0):
         """`session_hints`: use the clients' conversation keys (not with a load-only policy); `hint_salt`
         keys their hash (the balancer draws one at start; the default is for tests and replays).
         `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
         against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): requests sent and not yet
         answered count as holding their prefix on their replica (routing/in_flight.py) where the approximate
-        index decides; in precise mode they only count as sent (`_new_session`)."""
+        index decides; in precise mode they only count as sent (`_new_session`). `host_capacities`
+        (RJ_ROUTE_HOST_TIER_TOKENS): each replica's host tier, in index blocks; a block the index holds there
+        only is worth `host_credit` (RJ_KV_HOST_TIER_CREDIT) of one on the device."""
         self.params = params
         self.shortlist_above = shortlist_above
         self.policy: Policy = make_policy(policy, params)
         self.max_prefix_bytes = max_prefix_bytes
         self.balance_new_sessions = balance_new_sessions and self.policy.reads_overlap
         self.new_sessions = NewSessions(params)
-        self.index = PrefixIndex(index_capacities, mark_ends=self.balance_new_sessions)
+        self.index = PrefixIndex(index_capacities, mark_ends=self.balance_new_sessions, host_capacities=host_capacities)
+        self.host_credit = host_credit
         self.demand = Demand(len(index_capacities))
         self.conversations = SessionKeys()  # answered chains' ends: which requests continue a conversation
         self.pressure = Pressure()
@@ -130,6 +134,13 @@ class Router:
                 covered = self._after_queues(fp, overlaps, covered, loads)
             if n > self.shortlist_above:
                 groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
+        elif reloads := self.index.on_host(fp.blocks, overlaps):
+            chunk_bytes = self.params.chunk_bytes
+            covered = list(covered)
+            for i, blocks in reloads.items():
+                covered[i] = reload_priced(covered[i], blocks * chunk_bytes, self.host_credit)
+            if n > self.shortlist_above:
+                groups = value_groups(covered) or []
         continued = max(self.conversations.continued_depth(fp.blocks), flying) if self.balance_new_sessions else 0
         hint = hint if self.session_hints else 0
         known = self.homes.get(hint) if hint else None  # a key seen answered: a continuing conversation

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from ramjet.routing.prompt_tokens import Prompt, PromptTokenizer, TemplateError
 from ramjet.routing.token_blocks import chain
 from ramjet.routing.token_index import Held, TokenIndex
+from ramjet.routing.units import reload_priced
 
 TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
 
@@ -86,7 +87,7 @@ class Matcher:
         """Each replica's held share of the prompt, a host-tier token worth `host_credit` of a GPU one."""
         if not prompt_tokens:
             return [0.0] * len(held)
-        return [min((h.gpu_tokens + self.host_credit * h.host_tokens) / prompt_tokens, 1.0) for h in held]
+        return [min(reload_priced(h.tokens, h.host_tokens, self.host_credit) / prompt_tokens, 1.0) for h in held]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -32,6 +32,9 @@ def routing_header(router: Router, settings: Settings, replicas: list[Replica]) 
               "max_prefix_bytes": router.max_prefix_bytes,
               "new_sessions": "balance" if router.balance_new_sessions else "affinity",
               "session_hints": router.session_hints, "in_flight": router.in_flight is not None}
+    if settings.route_host_tier_tokens:
+        header["host_capacities"] = [settings.host_capacity_for()] * len(replicas)
+        header["host_credit"] = router.host_credit
     if settings.load_model is not None:  # the Rust Ramjet's decode load model (a replay models ours: a note)
         header["load_model"] = asdict(settings.load_model)
     return header

@@ -152,7 +152,8 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
                     s.route_max_prefix_bytes, balance_new_sessions=s.balance_new_sessions,
                     session_hints=s.session_hints, hint_salt=os.urandom(16),  # keys hashed, unlinkable across runs
                     shortlist_above=s.route_shortlist_above,
-                    in_flight=s.route_in_flight)
+                    in_flight=s.route_in_flight, host_capacities=[s.host_capacity_for()] * len(replicas),
+                    host_credit=s.kv_host_tier_credit)
     fleet = Fleet(replicas, metrics, s.liveness_window_s, s.unfence_after, s.fence_after_failures,
                   s.fence_max_share)
     token = s.upstream_token.get_secret_value() if s.upstream_token else None
