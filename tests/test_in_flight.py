@@ -135,7 +135,9 @@ def test_first_turns_in_flight_on_one_harness_do_not_follow_each_other():
 
 
 @pytest.mark.unit
-def test_deciding_with_requests_in_flight_changes_nothing_and_precise_reports_win():
+def test_deciding_with_requests_in_flight_changes_nothing_and_precise_mode_counts_them_too():
+    """The engines' events tell a block once its prefill is done: until then, in precise mode too, a request in flight
+    holds its prefix on its replica, and an engine that reports more than that wins."""
     r = router()
     first = r.decide("chat", chat(first_turn(1)), IDLE, ALL)
     r.sent(1, first)
@@ -143,8 +145,13 @@ def test_deciding_with_requests_in_flight_changes_nothing_and_precise_reports_wi
     before = r.decide("chat", body, IDLE, ALL)
     assert all(r.decide("chat", body, IDLE, ALL) == before for _ in range(5))
     assert r.index_sizes() == [0, 0, 0, 0]  # in flight is not held: only an answer teaches the index
-    precise = r.decide("chat", body, IDLE, ALL, held=[0.0, 0.0, 0.0, 0.0])  # the engines report holding none
-    assert precise.overlaps[1] == 0 and precise.covered[1] == 0
+    precise = r.decide("chat", body, IDLE, ALL, held=[0.0, 0.0, 0.0, 0.0])  # the engines report holding none yet
+    assert precise.overlaps[1] == 0 and precise.covered[1] == before.covered[1] > 0 and precise.covered[0] == 0
+    assert precise.ranking.best == 1 and not precise.new_session  # it continues the prompt in flight there
+    reported = r.decide("chat", body, IDLE, ALL, held=[0.0, 1.0, 0.0, 0.0])
+    assert reported.covered[1] == reported.fingerprint.prompt_bytes
+    r.settled(first)
+    assert r.decide("chat", body, IDLE, ALL, held=[0.0, 0.0, 0.0, 0.0]).covered[1] == 0
 
 
 @pytest.mark.unit

@@ -22,7 +22,7 @@ from ramjet.routing.fingerprint import Fingerprint, fingerprint
 from ramjet.routing.hints import session_hint
 from ramjet.routing.homes import Homes, stays_home
 from ramjet.routing.in_flight import InFlight, merged
-from ramjet.routing.index import PrefixIndex, spread
+from ramjet.routing.index import PrefixIndex, ones, spread
 from ramjet.routing.policies import NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, Policy, Ranking, Rendezvous, rank
 from ramjet.routing.pressure import Pressure
@@ -77,8 +77,7 @@ class Router:
         keys their hash (the balancer draws one at start; the default is for tests and replays).
         `shortlist_above` (RJ_ROUTE_SHORTLIST_ABOVE): with more replicas than this, a request is scored
         against a shortlist (routing/shortlist.py). `in_flight` (RJ_ROUTE_IN_FLIGHT): requests sent and not yet
-        answered count as holding their prefix on their replica (routing/in_flight.py) where the approximate
-        index decides; in precise mode they only count as sent (`_new_session`). `host_capacities`
+        answered count as holding their prefix on their replica (routing/in_flight.py), in both modes. `host_capacities`
         (RJ_ROUTE_HOST_TIER_TOKENS): each replica's host tier, in index blocks; a block the index holds there
         only is worth `host_credit` (RJ_KV_HOST_TIER_CREDIT) of one on the device."""
         self.params = params
@@ -117,7 +116,7 @@ class Router:
         n = len(self.index)
         groups = self.index.groups(fp.blocks) if self.policy.reads_overlap else [(0, (1 << n) - 1)] if n else []
         overlaps = spread(n, groups)
-        flying = 0  # leading blocks a request still in flight ends with (approximate index only)
+        flying = 0  # leading blocks a request still in flight ends with
         if self.in_flight is not None and held is None:
             ahead = self.in_flight.groups(fp.blocks)
             if ahead:  # requests in flight will leave some of this prefix on their replicas
@@ -132,6 +131,9 @@ class Router:
                 [c if share is None else share * fp.prompt_bytes for c, share in zip(covered, held)]
             if self.pressure.high():
                 covered = self._after_queues(fp, overlaps, covered, loads)
+            if self.in_flight is not None and (ahead := self.in_flight.groups(fp.blocks)):
+                covered = _with_flying(fp, covered, ahead)  # the engines report a prefill once it is done
+                flying = self.in_flight.deepest(fp.blocks)[0]
             if n > self.shortlist_above:
                 groups = value_groups(covered) or []  # [] (too many distinct amounts): score every replica
         elif reloads := self.index.on_host(fp.blocks, overlaps):
@@ -249,6 +251,17 @@ class Router:
 
     def index_sizes(self) -> list[int]:
         return [self.index.size(i) for i in range(len(self.index))]
+
+
+def _with_flying(fp: Fingerprint, covered: Sequence[float], ahead: list[tuple[int, int]]) -> list[float]:
+    """Each replica's held bytes, at least what the requests in flight there will leave of the prompt (precise mode:
+    the engine's events tell a block only once its prefill is done)."""
+    out = list(covered)
+    for depth, mask in ahead:
+        flying = fp.covered_bytes(depth)
+        for i in ones(mask):
+            out[i] = max(out[i], flying)
+    return out
 
 
 class _ByDepth(Sequence[float]):
