@@ -14,7 +14,10 @@ to the last special token both share: the tokenizer never merges across a
 special token, so those ids are the ones a whole encode would give. What
 follows is cut at special tokens too, and each piece is tokenized once and
 cached, so a template that rewrites earlier turns (dropping old reasoning)
-re-tokenizes only the pieces it changed.
+re-tokenizes only the pieces it changed. Where the tokenizer allows it
+(ramjet.routing.text_seams), long text between special tokens is cut again at
+plain line breaks, so a long single message or completions prompt that extends
+an earlier one is tokenized only where it is new.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ramjet.errors import bad_request
+from ramjet.routing import text_seams
 from ramjet.routing.renderings import Rendering, Renderings, Reuse, checkpoints, first_ids
 
 
@@ -164,6 +168,8 @@ class PromptTokenizer:
         self.renderings = Renderings(rendering_size) if splitters and not nested else None
         # Without offsets where the library offers it: a fifth faster, the same ids.
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self.cuts_lines = text_seams.cuttable(tokenizer)
+        self._wrapping = text_seams.wrapping(tokenizer)  # what adding special tokens puts around a text's ids
 
     # --- rendering -------------------------------------------------------------
     def render_chat(self, body: dict) -> str:
@@ -186,13 +192,17 @@ class PromptTokenizer:
         """Token ids of `text`, piece by piece through the cache (the same ids as one encode of the whole).
 
         With `add_special_tokens` (a completions prompt: the tokenizer's post-processor may add a BOS)
+        the pieces' ids get what the post-processor puts around them, or, when it does more than that,
         the text is encoded whole, uncached. Always through the batch call: the library's single `encode`
         holds the interpreter lock throughout (measured: 1.9 s for 600K tokens, the event loop stopped for
         all of it), its batch call lets the loop run meanwhile.
         """
-        if add_special_tokens:
+        if not add_special_tokens:
+            return self._pieces(text)
+        if self._wrapping is None:
             return array("I", self._encode_batch([text], add_special_tokens=True)[0].ids)
-        return self._pieces(text)
+        before, after = self._wrapping
+        return array("I", before) + self._pieces(text) + array("I", after)
 
     def encode_rendered(self, text: str) -> Prompt:
         """A rendered chat prompt's ids, reusing those of the earlier rendering that shares the most of it."""
@@ -214,15 +224,12 @@ class PromptTokenizer:
                 cut_tokens: list[int] | None = None, before: int = 0) -> array:
         """The ids of `text`, piece by piece; with `cuts`, note where each special token ends, in characters
         after `offset` and in tokens after `before`."""
-        pieces = self._split.split(text) if self._split else [text]
         missing: list[tuple[int, str]] = []
         found: list[array | int] = []
         ends: list[tuple[int, bool]] = []  # where each piece ends, and whether it is a special token
-        for n, piece in enumerate(pieces):
-            if not piece:
-                continue
+        for piece, special in self._cut(text):
             offset += len(piece)
-            ends.append((offset, n % 2 == 1))  # split() puts the special tokens at odd places
+            ends.append((offset, special))
             key = xxhash.xxh3_64_intdigest(piece.encode("utf-8", "surrogatepass"))
             ids = self.cache.get(key)
             if ids is None:
@@ -243,6 +250,18 @@ class PromptTokenizer:
                 cuts.append(end)
                 cut_tokens.append(before + len(out))
         return out
+
+    def _cut(self, text: str):
+        """(piece, is a special token) in order: cut at special tokens, then long text at line seams."""
+        pieces = self._split.split(text) if self._split else [text]
+        for n, piece in enumerate(pieces):
+            if n % 2:  # split() puts the special tokens at odd places
+                yield piece, True
+            elif self.cuts_lines and len(piece) > text_seams.EVERY:
+                for part in text_seams.pieces(piece):
+                    yield part, False
+            elif piece:
+                yield piece, False
 
     def prompt(self, route: str, body: dict) -> Prompt:
         """The token ids the engine computes for this request; ApiError (400) when it cannot be known."""
