@@ -21,9 +21,13 @@ once for both modes; benchmarks/routing_cost.py measures it). The balancer runs 
 on a worker thread; the figures are the work itself. It prints figures, it checks
 nothing: the design target is a median of at most 2 ms for the warm extend. `--replicas` runs
 it for other replica counts (issue 25): each replica's pool is 193K tokens up to 40 replicas
-and 193K x 40 / replicas beyond, so the index holds the same 7.7M tokens at 2,048 as at 40. Run:
+and 193K x 40 / replicas beyond, so the index holds the same 7.7M tokens at 2,048 as at 40.
+`--trace FILE` instead tokenizes and hashes the first `--trace-requests` completions prompts of a
+trace as `ramjet bench trace` writes them (one document each, no special token inside), with long
+text cut at line seams (ramjet.routing.text_seams) and, for comparison, encoded whole. Run:
 
     python benchmarks/precise_routing_cost.py [--repeat 300] [--cold-repeat 10] [--quick] [--replicas 8,40,2048]
+    python benchmarks/precise_routing_cost.py --trace ../shared/traces/mooncake_synthetic.jsonl
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from importlib.resources import files
 
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
+from ramjet.bench.trace_load import load_trace
+from ramjet.bench.trace_prompt import PromptMaker
 from ramjet.bench.world import World, WorkloadConfig
 from ramjet.routing.token_index import TokenIndex
 
@@ -140,6 +146,29 @@ def report(name: str, runs: list[tuple], new_tokens: int | None) -> None:
           f"| {pct(total, 90):.2f} | {pct(total, 99):.2f} |")
 
 
+def trace_rows(path: str, requests: int) -> None:
+    """Each trace prompt tokenized and hashed in order, by one tokenizer that keeps what it saw (as the balancer)."""
+    prompts = [PromptMaker("precise-cost").prompt(r) for r in load_trace(path)[:requests]]
+    print(f"| trace | prompts | mean prompt tokens | runs | tokenize ms median | chain ms | total median ms "
+          f"| mean ms | p90 ms | p99 ms |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for cut in (True, False):
+        tokenizer = load_tokenizer(TOKENIZER_DIR)
+        tokenizer.cuts_lines = cut and tokenizer.cuts_lines
+        runs = []
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            tokens = tokenizer.prompt("completions", {"prompt": prompt})
+            t1 = time.perf_counter()
+            Matcher.chain(tokens, BLOCK)
+            runs.append((t1 - t0, time.perf_counter() - t1, tokens.length))
+        total = [(a + b) * 1e3 for a, b, _ in runs]
+        print(f"| {path.rsplit('/', 1)[-1]} | {'cut at line seams' if tokenizer.cuts_lines else 'encoded whole'} "
+              f"| {statistics.mean(r[2] for r in runs) / 1000:.1f}K | {len(runs)} "
+              f"| {statistics.median(r[0] for r in runs) * 1e3:.2f} | {statistics.median(r[1] for r in runs) * 1e3:.2f} "
+              f"| {statistics.median(total):.2f} | {statistics.mean(total):.2f} | {pct(total, 90):.2f} "
+              f"| {pct(total, 99):.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=115_000, help="prompt size (115000)")
@@ -147,7 +176,11 @@ def main() -> None:
     ap.add_argument("--cold-repeat", type=int, default=10, help="cold-prompt repetitions (10)")
     ap.add_argument("--quick", action="store_true", help="30 warm and 2 cold repetitions: a smoke run")
     ap.add_argument("--replicas", default=str(REPLICAS), help="comma-separated replica counts, each at least 8 (8)")
+    ap.add_argument("--trace", help="a trace file: time its prompts instead (see above)")
+    ap.add_argument("--trace-requests", type=int, default=1000, help="prompts of --trace to time (1000)")
     args = ap.parse_args()
+    if args.trace:
+        return trace_rows(args.trace, args.trace_requests)
     if args.quick:
         args.repeat, args.cold_repeat = 30, 2
     setup = time.perf_counter()
