@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from ramjet.balancer.precise.matcher import load_tokenizer
 from ramjet.routing import text_seams
+from ramjet.routing.prompt_tokens import PromptTokenizer
 from token_helpers import TOKENIZER
 
 pytestmark = pytest.mark.unit
@@ -107,6 +108,10 @@ def test_a_bos_the_post_processor_adds_is_put_before_the_pieces_ids():
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id(
         "<bos>"))])
     assert text_seams.wrapping(tok) == ([tok.token_to_id("<bos>")], [])
+    balancer = PromptTokenizer(tok, None, {})
+    text = "".join(f"It's line {n}: value = {n * 3};\n" for n in range(400))
+    assert balancer.cuts_lines and len(text_seams.pieces(text)) > 3
+    assert list(balancer.prompt("completions", {"prompt": text}).ids) == tok.encode(text).ids
 
 
 def test_a_long_prompt_that_extends_an_earlier_one_tokenizes_only_its_new_text():
