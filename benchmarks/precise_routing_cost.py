@@ -41,7 +41,7 @@ from importlib.resources import files
 
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
-from ramjet.bench.trace_load import load_trace
+from ramjet.bench.trace_load import BLOCK_TOKENS, load_trace
 from ramjet.bench.trace_prompt import PromptMaker
 from ramjet.bench.world import World, WorkloadConfig
 from ramjet.routing.token_index import TokenIndex
@@ -148,7 +148,16 @@ def report(name: str, runs: list[tuple], new_tokens: int | None) -> None:
 
 def trace_rows(path: str, requests: int) -> None:
     """Each trace prompt tokenized and hashed in order, by one tokenizer that keeps what it saw (as the balancer)."""
-    prompts = [PromptMaker("precise-cost").prompt(r) for r in load_trace(path)[:requests]]
+    trace = load_trace(path)[:requests]
+    prompts = [PromptMaker("precise-cost").prompt(r) for r in trace]
+    seen: set[int] = set()
+    new = total = 0
+    for r in trace:  # the text no earlier prompt had: what any tokenizer must encode
+        full = r.hash_ids[:r.input_length // BLOCK_TOKENS]
+        new += len(set(full) - seen)
+        total += len(full)
+        seen.update(full)
+    print(f"({new / total:.0%} of the prompts' whole blocks appear for the first time)")
     print(f"| trace | prompts | mean prompt tokens | runs | tokenize ms median | chain ms | total median ms "
           f"| mean ms | p90 ms | p99 ms |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cut in (True, False):
