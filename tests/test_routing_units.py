@@ -9,7 +9,7 @@ from ramjet.routing.index import PrefixIndex
 from ramjet.routing.policies import BASES, POLICY_NAMES, NewSessions, make_policy
 from ramjet.routing.policy import Candidates, Params, rank, rendezvous
 from ramjet.routing.router import Router
-from ramjet.routing.units import load_units
+from ramjet.routing.units import load_units, with_idle_decode
 
 pytestmark = pytest.mark.unit
 
@@ -441,3 +441,10 @@ def test_two_routers_with_the_same_view_decide_alike_whatever_each_decided_befor
         body = chat([{"role": "user", "content": f"new session {k}"}])
         orders = [r.decide("chat", body, [0.0] * 8, [True] * 8).ranking.order for r in routers]
         assert orders[0] == orders[1]
+
+
+def test_decoding_requests_weigh_more_only_while_some_rank_is_idle():
+    loads, decoding = [0.25, 0.125, 0.0], [2, 1, 0]
+    assert with_idle_decode(loads, decoding, [False, False, True], 2.0) == [4.25, 2.125, 0.0]
+    assert with_idle_decode(loads, decoding, [False, False, False], 2.0) == loads  # every rank busy: out
+    assert with_idle_decode(loads, decoding, [False, False, True], 0.0) == loads   # off

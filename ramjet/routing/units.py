@@ -7,6 +7,7 @@ RJ_ROUTE_LOAD_UNIT_BYTES until its first byte arrives, then only a decode slot.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import ceil
 
 from ramjet.routing.policy import Params
@@ -33,3 +34,13 @@ def reload_priced(held: float, on_host: float, host_credit: float) -> float:
     (HiCache, CPU offload): a reload from host memory costs `1 - host_credit` of a prefill
     (RJ_KV_HOST_TIER_CREDIT; about a tenth on H200: 86K tokens come back in 0.8-1.0 s)."""
     return held - (1.0 - host_credit) * min(on_host, held)
+
+
+def with_idle_decode(loads: Sequence[float], decoding: Sequence[int], idle: Sequence[bool],
+                     units: float) -> Sequence[float]:
+    """Loads with `units` more for each request decoding on a replica, while some replica is `idle` (routable,
+    nothing in flight, no load reported): a turn then goes to the idle rank rather than join one busy decoding.
+    When every rank is busy the term stays out (RJ_ROUTE_IDLE_DECODE_UNITS; 0: off)."""
+    if not units or not any(idle):
+        return loads
+    return [load + units * n for load, n in zip(loads, decoding)]

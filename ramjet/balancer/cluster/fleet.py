@@ -71,6 +71,12 @@ class Fleet:
         """Per replica: what this balancer holds there now + the engine's own figure beyond it (RJ_ENGINE_LOAD)."""
         return self._loads.copy()
 
+    def decoding(self) -> tuple[list[int], list[bool]]:
+        """Per replica: this balancer's requests past their first byte, and whether it is idle (routable, nothing
+        in flight, no load reported by its engine beyond ours)."""
+        return ([s.in_flight - s.prefilling for s in self._states],
+                [s.routable and not s.in_flight and not s.probing and not s.external_units for s in self._states])
+
     def drained(self) -> list[int]:
         """The replicas an operator drained."""
         return [i for i, s in enumerate(self._states) if s.drained]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.precise.mode import Match, PreciseMode
 from ramjet.routing.router import Decision, Router
+from ramjet.routing.units import with_idle_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +34,9 @@ class Choice:
 
 class Decider:
     def __init__(self, router: Router, fleet: Fleet, precise: PreciseMode | None = None,
-                 session_header: str | None = None):
+                 session_header: str | None = None, idle_decode_units: float = 0.0):
         self.router, self.fleet, self.precise = router, fleet, precise
+        self.idle_decode_units = idle_decode_units  # RJ_ROUTE_IDLE_DECODE_UNITS (routing/units.py)
         self.session_header = session_header.lower().encode() if session_header else None
 
     async def decide(self, route: str, body: dict, headers: Sequence[tuple[bytes, bytes]] = ()) -> Choice:
@@ -46,6 +48,8 @@ class Decider:
         if self.precise is not None:  # tokenized off the loop; None: routed approximately
             match = await self.precise.match(route, body)
         loads, routable = self.fleet.loads(), self.fleet.routable()
+        if self.idle_decode_units:
+            loads = list(with_idle_decode(loads, *self.fleet.decoding(), self.idle_decode_units))
         decision = self.router.decide(route, body, loads, routable, held=match.shares if match else None,
                                       session_header=self._session_header(headers))
         return Choice(decision, loads, routable, match, time.monotonic() - started)

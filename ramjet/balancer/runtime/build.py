@@ -175,7 +175,8 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     fleet.on_cache_lost(learning.forget)
     if precise is not None:
         fleet.on_cache_lost(precise.forget)
-    decider = Decider(router, fleet, precise, s.session_header if s.session_hints else None)
+    decider = Decider(router, fleet, precise, s.session_header if s.session_hints else None,
+                      s.route_idle_decode_units)
     admission = Admission(router, fleet, AdmissionRule(s.admission_idle_s, s.admission_max_wait_s), metrics) \
         if s.admission else None
     if admission is not None:
