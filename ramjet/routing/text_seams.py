@@ -61,15 +61,14 @@ def pieces(text: str, every: int = EVERY) -> list[str]:
 
 def cuttable(tokenizer: Tokenizer) -> bool:
     """True when cutting at seams gives the ids of the whole for this tokenizer (see the module doc)."""
-    spec = json.loads(tokenizer.to_str())
-    if (spec.get("model") or {}).get("type") != "BPE":
+    if type(tokenizer.model).__name__ != "BPE":
         return False
-    if (spec.get("normalizer") or {}).get("type") not in _NORMALIZERS:
+    if (_spec(tokenizer.normalizer) or {}).get("type") not in _NORMALIZERS:
         return False
-    if not _steps(spec.get("pre_tokenizer")) <= _PRE_TOKENIZERS:
+    if not _steps(_spec(tokenizer.pre_tokenizer)) <= _PRE_TOKENIZERS:
         return False
-    if any("\n" in t.get("content", "") or t.get("lstrip") or t.get("rstrip") or t.get("single_word")
-           for t in spec.get("added_tokens") or []):
+    if any("\n" in t.content or t.lstrip or t.rstrip or t.single_word
+           for t in tokenizer.get_added_tokens_decoder().values()):
         return False
     parts = pieces(PROBE, every=1)
     if tokenizer.normalizer is not None and \
@@ -84,6 +83,11 @@ def cuttable(tokenizer: Tokenizer) -> bool:
 
 def _pre_tokens(tokenizer: Tokenizer, text: str) -> list[str]:
     return [s for s, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def _spec(part) -> dict | None:
+    """A normalizer's or pre-tokenizer's own JSON (not the whole tokenizer's: a large vocabulary is not read)."""
+    return None if part is None else json.loads(part.__getstate__())
 
 
 def _steps(pre: dict | None) -> set[str]:
