@@ -456,7 +456,7 @@ def test_real_vllm_metrics_are_read_as_engine_load(bed, tmp_path):
 def stream_until_cut(url: str, model: str, n: int, started: "threading.Event", out: list) -> None:
     """One long streamed completion through the balancer; `out` gets every byte it sent, `started` is set at
     the first content chunk. Ends when the balancer ends the stream (the engine will be killed under it)."""
-    body = {"model": model, "prompt": f"stream {n}: " + "word " * 200, "max_tokens": 2000, "ignore_eos": True,
+    body = {"model": model, "prompt": f"stream {n}: " + "word " * 200, "max_tokens": 3000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
         out.append(r.status_code)
@@ -508,19 +508,31 @@ def test_a_real_engine_killed_mid_stream_and_brought_back(bed, tmp_path):
         time.sleep(0.3)  # the engine reports the turn's blocks before the next one
         return int(resp.headers["x-ramjet-upstream"]), resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    streams = [[], []]
-    started = [threading.Event(), threading.Event()]
-    threads = [threading.Thread(target=stream_until_cut, args=(url, eng.model, n, started[n], streams[n]),
-                                daemon=True) for n in (0, 1)]
+    streams: list[list] = [[], []]
+
+    def start_streams() -> list[threading.Thread]:
+        """Both streams started and sending text; started again (at most twice) if both ended meanwhile."""
+        for _ in range(3):
+            streams[:] = [[], []]
+            started = [threading.Event(), threading.Event()]
+            threads = [threading.Thread(target=stream_until_cut, args=(url, eng.model, n, started[n], streams[n]),
+                                        daemon=True) for n in (0, 1)]
+            for t in threads:
+                t.start()
+            for s in started:
+                assert s.wait(120), "a stream sent no text in 120 s"
+            if any(t.is_alive() for t in threads):
+                return threads
+            for t in threads:  # a fast engine finished both before they were both seen running
+                t.join(5)
+        return threads
+
     try:
         wait_for(lambda: metric("ramjet_kv_precise") == 2, "the balancer never trusted both ranks' streams", 90, 0.2)
         home, _ = turn(0)
         again, cached = turn(1)
         assert again == home and cached > 0, (home, again, cached)
-        for t in threads:
-            t.start()
-        for s in started:
-            assert s.wait(120), "a stream sent no text in 120 s"
+        threads = start_streams()
         os.killpg(eng.process.proc.pid, signal.SIGKILL)  # the API server and both engine cores, at once
         for t in threads:
             t.join(90)
