@@ -36,8 +36,8 @@ def reload_priced(held: float, on_host: float, host_credit: float) -> float:
     return held - (1.0 - host_credit) * min(on_host, held)
 
 
-def with_idle_decode(loads: Sequence[float], decoding: Sequence[int], idle: Sequence[bool],
-                     units: float) -> Sequence[float]:
+def with_idle_decode(loads: list[float], decoding: Sequence[int], idle: Sequence[bool],
+                     units: float) -> list[float]:
     """Loads with `units` more for each request decoding on a replica, while some replica is `idle` (routable,
     nothing in flight, no load reported): a turn then goes to the idle rank rather than join one busy decoding.
     When every rank is busy the term stays out (RJ_ROUTE_IDLE_DECODE_UNITS; 0: off)."""

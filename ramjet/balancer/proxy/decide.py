@@ -49,7 +49,7 @@ class Decider:
             match = await self.precise.match(route, body)
         loads, routable = self.fleet.loads(), self.fleet.routable()
         if self.idle_decode_units:
-            loads = list(with_idle_decode(loads, *self.fleet.decoding(), self.idle_decode_units))
+            loads = with_idle_decode(loads, *self.fleet.decoding(), self.idle_decode_units)
         decision = self.router.decide(route, body, loads, routable, held=match.shares if match else None,
                                       session_header=self._session_header(headers))
         return Choice(decision, loads, routable, match, time.monotonic() - started)
