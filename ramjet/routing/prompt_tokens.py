@@ -202,7 +202,8 @@ class PromptTokenizer:
         if self._wrapping is None:
             return array("I", self._encode_batch([text], add_special_tokens=True)[0].ids)
         before, after = self._wrapping
-        return array("I", before) + self._pieces(text) + array("I", after)
+        ids = self._pieces(text)
+        return array("I", before) + ids + array("I", after) if before or after else ids  # most add nothing
 
     def encode_rendered(self, text: str) -> Prompt:
         """A rendered chat prompt's ids, reusing those of the earlier rendering that shares the most of it."""
