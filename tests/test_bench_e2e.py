@@ -232,8 +232,10 @@ def test_cli_parses_bench_subcommands():
     assert a.time_scale == 20.0 and cli._workload(a).tool_result_tokens == 1000 and a.repeats == 1
     a = p.parse_args(["compare", "--placements", "relative,precise", "--repeats", "3"])
     assert a.placements == ["relative", "precise"] and a.repeats == 3 and not a.paired and not a.journal
-    a = p.parse_args(["compare", "--repeat", "5", "--paired", "--journal", "--sim-arg=--decode-tokens-per-s=32"])
+    a = p.parse_args(["compare", "--repeat", "5", "--paired", "--journal", "--sim-arg=--decode-tokens-per-s=32",
+                      "--engine-events"])
     assert a.repeats == 5 and a.paired and a.journal and a.sim_arg == ["--decode-tokens-per-s=32"]
+    assert a.engine_events and not p.parse_args(["compare"]).engine_events
     a = p.parse_args(["swarm", "http://h:1", "http://h:2", "--developers", "3", "--sim-url", "http://s:1,http://s:2"])
     assert a.url == ["http://h:1", "http://h:2"] and a.time_scale == 1.0 and a.developers == 3
     assert cli._workload(a).fast_start is True

@@ -73,6 +73,22 @@ def test_paired_repeats_through_direct_and_relative_on_fresh_simulators(tmp_path
     assert "- relative-hcoff-r1: " in md and "Requests per rank" in md
 
 
+def _publishes_events(out: Path, run: str) -> bool:
+    return "KV cache events: rank 0 publishes on tcp://127.0.0.1:" in (out / "logs" / f"{run}-sim0.log").read_text()
+
+
+def test_with_engine_events_every_placements_engines_publish_them(tmp_path):
+    """Precise mode needs its engines to publish KV events, which costs a simulated engine CPU; with
+    --engine-events the approximate placement runs on engines that publish them too (the same engines)."""
+    rc, out, rows = _run(tmp_path, "--placements", "relative", "--engine-events")
+    assert rc == 0 and json.loads((out / "summary.json").read_text())["config"]["engine_events"] is True
+    _served_as_written(out, rows[0])
+    assert _publishes_events(out, "relative-hcoff-r0")
+    (tmp_path / "without").mkdir()
+    rc, out, rows = _run(tmp_path / "without", "--placements", "relative")
+    assert rc == 0 and not _publishes_events(out, "relative-hcoff-r0")
+
+
 @pytest.mark.peer
 def test_a_peer_placement_routes_a_trace_through(tmp_path):
     if not peers.installed(peers.PEERS["smg"]):

@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its --max-tree-size in characters)")
     c.add_argument("--sim-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra flag for every simulator, e.g. --sim-arg=--decode-tokens-per-s=32 (repeatable)")
+    c.add_argument("--engine-events", action="store_true",
+                   help="every placement's simulators publish KV cache events, not only precise mode's: the same "
+                        "engines for all, since publishing costs a simulated engine CPU (docs/benchmarks.md)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c.add_argument("--repeat", "--repeats", dest="repeats", type=int, default=1, metavar="N",
                    help="run every cell N times, a repeat's placements back to back; summary.md adds each cell's "
@@ -176,7 +179,8 @@ def _run_compare(args) -> int:
             kv_tokens_per_rank=args.kv_tokens_per_rank, hicache_tokens_per_rank=args.hicache_tokens_per_rank,
             model=args.model, workload=_workload(args), request_timeout=args.request_timeout, balancer_env=env,
             kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats,
-            paired=args.paired, journal=args.journal, sim_args=args.sim_arg)
+            paired=args.paired, journal=args.journal, sim_args=args.sim_arg,
+            engine_events=args.engine_events)
     except ValueError as e:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2

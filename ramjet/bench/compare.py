@@ -87,6 +87,7 @@ class CompareConfig:
     balancer_env: dict[str, str] = field(default_factory=dict)
     kv_hint: bool = True            # give every placement each rank's KV capacity in its own terms
     sim_args: list[str] = field(default_factory=list)
+    engine_events: bool = False     # every placement's engines publish KV events, not only precise mode's
     progress: bool = True
     plots: bool = True
     repeats: int = 1                # every cell this many times
@@ -147,7 +148,7 @@ def run_cell(cfg: CompareConfig, cell: dict, index: int, total: int) -> dict:
            "duration_s": cfg.duration, "warmup_s": cfg.warmup, "error": None}
     t0 = time.monotonic()
     try:
-        placement = parse_placement(cell["placement"]).for_engines(cell["engines"], DP_SIZE)
+        placement = parse_placement(cell["placement"]).for_engines(cell["engines"], DP_SIZE, cfg.engine_events)
         ctx = PlacementContext(log_dir=logs, name=name, time_scale=cfg.time_scale, dp_size=DP_SIZE,
                                kv_capacity_tokens=cfg.capacity(cell["hicache"]) if cfg.kv_hint else None,
                                balancer_env=dict(cfg.balancer_env),

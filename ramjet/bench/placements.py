@@ -85,9 +85,13 @@ class Placement:
         value = self.client.get("max-tokens", "answer")
         return None if value == "answer" else int(value)
 
-    def for_engines(self, engines: int, dp_size: int = 8) -> Placement:
-        """This placement with what its `engines` simulators need planned (precise: free KV event ports)."""
-        return replace(self, events=tuple(precise.plan(engines, dp_size))) if self.kind == "precise" else self
+    def for_engines(self, engines: int, dp_size: int = 8, engine_events: bool = False) -> Placement:
+        """This placement with what its `engines` simulators need planned: free KV event ports where precise
+        mode reads them, or where every placement's engines publish them (`engine_events`: the same engines
+        for all, since publishing costs a simulated engine CPU)."""
+        if self.kind == "precise" or engine_events:
+            return replace(self, events=tuple(precise.plan(engines, dp_size)))
+        return self
 
     def engine_args(self, engine: int) -> list[str]:
         """Extra `ramjet sim` flags for engine number `engine`."""

@@ -59,6 +59,7 @@ class TraceCellsConfig:
     balancer_env: dict[str, str] = field(default_factory=dict)
     kv_hint: bool = True                        # give every placement each rank's KV capacity in its own terms
     sim_args: list[str] = field(default_factory=list)
+    engine_events: bool = False                 # every placement's engines publish KV events, not only precise's
     repeats: int = 1
     paired: bool = False
     progress: bool = True
@@ -125,7 +126,7 @@ def run_one(cfg: TraceCellsConfig, requests: list[TraceRequest], run: dict, inde
     row = {**run, "time_scale": cfg.time_scale, "speedup": cfg.speedup, "error": None}
     t0 = time.monotonic()
     try:
-        placement = parse_placement(run["placement"]).for_engines(cfg.engines, DP_SIZE)
+        placement = parse_placement(run["placement"]).for_engines(cfg.engines, DP_SIZE, cfg.engine_events)
         ctx = PlacementContext(log_dir=logs, name=name, time_scale=cfg.time_scale, dp_size=DP_SIZE,
                                kv_capacity_tokens=kv_capacity(cfg, run["hicache"]) if cfg.kv_hint else None,
                                balancer_env=dict(cfg.balancer_env), chars_per_token=chars_per_token())

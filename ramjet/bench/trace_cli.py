@@ -26,7 +26,8 @@ PLACEMENT_TIME_SCALE = 4.0   # keeps client and simulator on schedule on 2 cores
 # flags only the placement mode reads: dest -> how the flag is written
 _PLACEMENT_ONLY = {"sweep": "--sweep", "repeats": "--repeat", "paired": "--paired", "hicache": "--hicache",
                    "engines": "--engines", "sim_arg": "--sim-arg", "balancer_env": "--balancer-env",
-                   "no_kv_hint": "--no-kv-hint", "hicache_tokens_per_rank": "--hicache-tokens-per-rank"}
+                   "no_kv_hint": "--no-kv-hint", "hicache_tokens_per_rank": "--hicache-tokens-per-rank",
+                   "engine_events": "--engine-events"}
 _URL_ONLY = {"ranks": "--ranks", "api_key": "--api-key"}
 
 
@@ -78,6 +79,9 @@ def add_parser(sub) -> None:
                    help=f"host tier per rank when --hicache on ({DEFAULT_HICACHE_TOKENS_PER_RANK})")
     p.add_argument("--balancer-env", action="append", default=None, metavar="RJ_NAME=VALUE",
                    help="extra setting for the ramjet placements (repeatable)")
+    p.add_argument("--engine-events", action="store_true", default=None,
+                   help="every placement's simulators publish KV cache events, not only precise mode's: the same "
+                        "engines for all, since publishing costs a simulated engine CPU (docs/benchmarks.md)")
     p.add_argument("--no-kv-hint", action="store_true", default=None,
                    help="give no placement each rank's KV capacity (ours: RJ_ROUTE_KV_CAPACITY_TOKENS; a peer: "
                         "its tree size in characters)")
@@ -172,7 +176,8 @@ def _run_placements(args: argparse.Namespace) -> int:
             kv_tokens_per_rank=args.kv_tokens_per_rank or DEFAULT_KV_TOKENS_PER_RANK,
             hicache_tokens_per_rank=args.hicache_tokens_per_rank or DEFAULT_HICACHE_TOKENS_PER_RANK,
             balancer_env=parse_balancer_env(args.balancer_env or []), kv_hint=not args.no_kv_hint,
-            sim_args=args.sim_arg or [], repeats=args.repeats or 1, paired=bool(args.paired),
+            sim_args=args.sim_arg or [], engine_events=bool(args.engine_events), repeats=args.repeats or 1,
+            paired=bool(args.paired),
             progress=not args.quiet)
         requests = cfg.window_requests()
     except (TraceError, ValueError, OSError) as e:

@@ -300,6 +300,9 @@ def build_app(config: SimConfig) -> Starlette:
         startup["tokenizer_e2e"] = time.perf_counter() - launched
         log.info("simulated SGLang %s engine: %d DP ranks, %d KV tokens per rank, time scale %g",
                  VERSION, config.dp_size, config.kv_tokens_per_rank, config.time_scale)
+        if (events := config.kv_events()) is not None:
+            log.info("KV cache events: rank 0 publishes on %s, rank %d on %s", events.endpoint_for(0),
+                     config.dp_size - 1, events.endpoint_for(config.dp_size - 1))
         try:
             yield
         finally:
