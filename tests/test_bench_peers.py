@@ -101,6 +101,7 @@ def test_the_rust_bundle_is_our_balancer_with_its_settings_and_ours_still_win(tm
         "relative", "4", "32")
     assert (env["RJ_ROUTE_PHASE_AWARE_LOAD"], env["RJ_ROUTE_DECODE_LOAD_UNIT_TOKENS"],
             env["RJ_ROUTE_DECODE_MAX_LOAD_UNITS"], env["RJ_ROUTE_NEW_SESSIONS"]) == ("true", "256", "4", "affinity")
+    assert env["RJ_ROUTE_IDLE_DECODE_UNITS"] == "0"  # the Rust rule has no idle term: its decode model alone
     assert env["RJ_ROUTE_KV_CAPACITY_TOKENS"] == "863000"
     env = balancer_env(parse_placement("ramjet-rust-bundle:RJ_ROUTE_NEW_SESSIONS=auto"), ["http://h:1"], ctx)
     assert env["RJ_ROUTE_NEW_SESSIONS"] == "auto" and env["RJ_ROUTE_ALPHA"] == "4"

@@ -1,4 +1,4 @@
-"""RJ_ROUTE_IDLE_DECODE_UNITS: while a rank is idle, a turn does not join a rank busy decoding (in process).
+"""RJ_ROUTE_IDLE_DECODE_UNITS (default 2): while a rank is idle, a turn does not join a rank busy decoding (in process).
 
 The rule (routing/units.py, `with_idle_decode`) goes through the one decision service, so
 the operator API's explain shows what a request would really get: here a rank's
@@ -34,8 +34,8 @@ async def pick(admin) -> dict:
     return r.json()
 
 
-async def test_a_turn_leaves_a_rank_busy_decoding_for_an_idle_one_and_stays_when_every_rank_is_busy():
-    async with stack(route_idle_decode_units="2") as s, admin_client(s) as admin:
+async def test_by_default_a_turn_leaves_a_rank_busy_decoding_for_an_idle_one_and_stays_when_every_rank_is_busy():
+    async with stack() as s, admin_client(s) as admin:  # the default: 2 units
         home = int((await s.client.post("/v1/chat/completions", json=BODY)).headers["x-ramjet-upstream"])
         assert (await pick(admin))["pick"] == home
         with decoding(s.balancer.fleet, [home, home, *range(8)]):  # no rank idle: the term stays out
@@ -47,7 +47,7 @@ async def test_a_turn_leaves_a_rank_busy_decoding_for_an_idle_one_and_stays_when
             live = await s.client.post("/v1/chat/completions", json=BODY)
             assert int(live.headers["x-ramjet-upstream"]) == moved["pick"]  # explain is the live decision
 
-async def test_without_the_setting_a_turn_stays_on_its_rank_while_it_decodes_another():
+async def test_with_the_term_off_a_turn_stays_on_its_rank_while_it_decodes_another():
     async with stack(route_idle_decode_units="0") as s, admin_client(s) as admin:
         home = int((await s.client.post("/v1/chat/completions", json=BODY)).headers["x-ramjet-upstream"])
         with decoding(s.balancer.fleet, [home]):

@@ -75,6 +75,7 @@ async def test_the_bundle_routes_pins_probes_and_journals_in_front_of_the_simula
         lines = [orjson.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
         assert lines[0]["journal"] == 1 and lines[0]["params"]["alpha"] == 4.0  # RJ_ROUTE_JOURNAL=true: stdout
         assert lines[0]["load_model"] == {"phase_aware": True, "unit_tokens": 256, "max_units": 4}
+        assert lines[0]["idle_decode_units"] == 2.0  # our default's idle decode term, for the replay's note
         assert [rec["choice"] for rec in lines[1:] if rec.get("route") == "chat"] == homes
 
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 from ramjet.bench import compare as cmp
 from ramjet.bench import trace_cli
-from ramjet.bench.placements import expand_placements, parse_balancer_env
+from ramjet.bench.placements import ENGINE_EVENTS_HELP, expand_placements, parse_balancer_env
 from ramjet.bench.report import format_repeats
 from ramjet.bench.summary import format_summary, summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
@@ -130,8 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--sim-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra flag for every simulator, e.g. --sim-arg=--decode-tokens-per-s=32 (repeatable)")
     c.add_argument("--engine-events", action="store_true",
-                   help="every placement's simulators publish KV cache events, not only precise mode's: the same "
-                        "engines for all, since publishing costs a simulated engine CPU (docs/benchmarks.md)")
+                   help=ENGINE_EVENTS_HELP)
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c.add_argument("--repeat", "--repeats", dest="repeats", type=int, default=1, metavar="N",
                    help="run every cell N times, a repeat's placements back to back; summary.md adds each cell's "

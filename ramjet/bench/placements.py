@@ -8,7 +8,7 @@ A placement is written `NAME[:ITEM...]`:
   precise              `ramjet serve`, relative basis, on the engines' KV cache events (precise.py)
   ramjet-rust-bundle   `ramjet serve` with the Rust Ramjet GLM-5.3 bundle's routing settings (RUST_BUNDLE): its
                        basis, alpha, credit cap and decode load model, and new conversations placed like any
-                       other request (the Rust rule has no new-session placement)
+                       other request (the Rust rule has no new-session placement and no idle decode term)
   smg, sglang-router, vllm-router   a peer router (peers.py)
 Items are RJ_NAME=VALUE settings after a ramjet placement (they win over the common ones), and the peer's own
 --flag[=value] arguments after a peer: `smg:--balance-abs-threshold=4:--cache-threshold=0.8`. Client items,
@@ -55,8 +55,11 @@ from ramjet.routing.policies import POLICY_NAMES
 # the Rust Ramjet's published GLM-5.3 8xH200 bundle, as far as our settings express it
 RUST_BUNDLE = {"RJ_ROUTE_AFFINITY_BASIS": "relative", "RJ_ROUTE_ALPHA": "4", "RJ_ROUTE_MAX_OVERLAP_BLOCKS": "32",
                "RJ_ROUTE_PHASE_AWARE_LOAD": "true", "RJ_ROUTE_DECODE_LOAD_UNIT_TOKENS": "256",
-               "RJ_ROUTE_DECODE_MAX_LOAD_UNITS": "4", "RJ_ROUTE_NEW_SESSIONS": "affinity"}
+               "RJ_ROUTE_DECODE_MAX_LOAD_UNITS": "4", "RJ_ROUTE_NEW_SESSIONS": "affinity",
+               "RJ_ROUTE_IDLE_DECODE_UNITS": "0"}
 _SETTING = re.compile(r"RJ_[A-Z0-9_]+")
+ENGINE_EVENTS_HELP = ("every placement's simulators publish KV cache events, not only precise mode's: the same engines "
+                      "for all, since publishing costs a simulated engine CPU (docs/benchmarks.md)")  # --engine-events
 # client items (`+NAME[=VALUE]`): what the load sends; a bare name takes the first value
 NUMBER = "N"  # among an item's values: any whole number from 1
 CLIENT_ITEMS = {

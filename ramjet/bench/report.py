@@ -229,7 +229,7 @@ def _unpaired_diffs(base: list[dict], mine: list[dict], spec: RepeatSpec = SWARM
 
 _LABELS = {"ramjet-rust-bundle": "our balancer with the Rust Ramjet GLM-5.3 bundle's routing settings (relative "
                                  "basis, alpha 4, credit cap 32, phase-aware load in decode units of 256 tokens "
-                                 "capped at 4; new conversations placed like any other request)"}
+                                 "capped at 4; new conversations placed like any other request, no idle decode term)"}
 
 
 def format_best(rows: list[dict], spec: RepeatSpec = SWARM) -> str:

@@ -12,7 +12,7 @@ import sys
 
 from ramjet.bench import procs
 from ramjet.bench.ceilings import DEFAULT_SLACK
-from ramjet.bench.placements import KINDS, expand_placements, parse_balancer_env
+from ramjet.bench.placements import ENGINE_EVENTS_HELP, KINDS, expand_placements, parse_balancer_env
 from ramjet.bench.report import format_repeats
 from ramjet.bench.sims import DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK
 from ramjet.bench.trace_cells import TraceCellsConfig, estimate_seconds, run_cells
@@ -80,8 +80,7 @@ def add_parser(sub) -> None:
     p.add_argument("--balancer-env", action="append", default=None, metavar="RJ_NAME=VALUE",
                    help="extra setting for the ramjet placements (repeatable)")
     p.add_argument("--engine-events", action="store_true", default=None,
-                   help="every placement's simulators publish KV cache events, not only precise mode's: the same "
-                        "engines for all, since publishing costs a simulated engine CPU (docs/benchmarks.md)")
+                   help=ENGINE_EVENTS_HELP)
     p.add_argument("--no-kv-hint", action="store_true", default=None,
                    help="give no placement each rank's KV capacity (ours: RJ_ROUTE_KV_CAPACITY_TOKENS; a peer: "
                         "its tree size in characters)")

@@ -62,7 +62,7 @@ class Settings(RustCompat, Derived):
     route_max_attempts: PositiveInt = 3
     route_shortlist_above: NonNegativeInt = SHORTLIST_ABOVE  # replicas; beyond: a shortlist (routing/shortlist.py)
     route_in_flight: bool = True  # a request holding the whole prompt of one in flight continues it (in_flight.py)
-    route_idle_decode_units: float = Field(0.0, ge=0, le=64, allow_inf_nan=False)  # units.with_idle_decode; 0: off
+    route_idle_decode_units: float = Field(2.0, ge=0, le=64, allow_inf_nan=False)  # units.with_idle_decode; 0: off
     # overload admission: hold a request whose prefill would evict history in use (routing/admission.py)
     admission: bool = False
     admission_idle_ms: PositiveInt = 30_000       # a block untouched this long is no longer in use

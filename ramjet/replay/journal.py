@@ -146,6 +146,10 @@ class _Lines:
         if self.header is not None and self.header.get("load_model"):
             notes.append("recorded under the Rust Ramjet's decode load model (RJ_ROUTE_PHASE_AWARE_LOAD, ...): the "
                          "replay reserves load by ours (routing/units.py), not by that model")
+        if self.header is not None and self.header.get("idle_decode_units"):
+            notes.append(f"recorded with a decoding request weighing {self.header['idle_decode_units']:g} more load "
+                         "units while a rank was idle (RJ_ROUTE_IDLE_DECODE_UNITS): the replay models no decoding, so "
+                         "it does not weigh them")
         precise = sum(r.precise for r in self.requests)
         if precise:
             notes.append(f"{precise} request(s) were routed on engine KV events (precise mode), which are not "
@@ -185,6 +189,9 @@ def _check_header(obj: dict, where: str) -> dict:
     credit = obj.get("host_credit", 1.0)
     if type(credit) not in (int, float) or not 0 <= credit <= 1:
         problems.append("host_credit must be a number from 0 to 1")
+    idle = obj.get("idle_decode_units", 0)
+    if type(idle) not in (int, float) or not 0 <= idle <= 64:
+        problems.append("idle_decode_units must be a number from 0 to 64")
     if obj.get("new_sessions") not in ("affinity", "balance"):
         problems.append("new_sessions must be affinity or balance")
     for flag in ("session_hints", "in_flight"):  # absent: a journal from before that setting

@@ -37,6 +37,8 @@ def routing_header(router: Router, settings: Settings, replicas: list[Replica]) 
         header["host_credit"] = router.host_credit
     if settings.load_model is not None:  # the Rust Ramjet's decode load model (a replay models ours: a note)
         header["load_model"] = asdict(settings.load_model)
+    if settings.route_idle_decode_units:  # a replay models no decoding, so it cannot weigh it: a note
+        header["idle_decode_units"] = settings.route_idle_decode_units
     return header
 
 
