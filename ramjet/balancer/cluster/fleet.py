@@ -73,9 +73,10 @@ class Fleet:
 
     def decoding(self) -> tuple[list[int], list[bool]]:
         """Per replica: this balancer's requests past their first byte, and whether it is idle (routable, nothing
-        in flight, no load reported by its engine beyond ours)."""
-        return ([s.in_flight - s.prefilling for s in self._states],
-                [s.routable and not s.in_flight and not s.probing and not s.external_units for s in self._states])
+        in flight, no load reported by its engine beyond ours). With no replica idle the term stays out
+        (units.with_idle_decode), so the counts are not gathered: on every decision while the fleet is busy."""
+        idle = [s.routable and not s.in_flight and not s.probing and not s.external_units for s in self._states]
+        return ([s.in_flight - s.prefilling for s in self._states] if any(idle) else [], idle)
 
     def drained(self) -> list[int]:
         """The replicas an operator drained."""
