@@ -24,7 +24,10 @@ it for other replica counts (issue 25): each replica's pool is 193K tokens up to
 and 193K x 40 / replicas beyond, so the index holds the same 7.7M tokens at 2,048 as at 40.
 `--trace FILE` instead tokenizes and hashes the first `--trace-requests` completions prompts of a
 trace as `ramjet bench trace` writes them (one document each, no special token inside), with long
-text cut at line seams (ramjet.routing.text_seams) and, for comparison, encoded whole. Run:
+text cut at line seams (ramjet.routing.text_seams) and, for comparison, encoded whole; and, as the
+balancer does, by the head (precise/matcher.py): routing waits for the prompt's head, and for its
+rest only when a replica holds the head to its end, here one engine that computed every earlier
+prompt and evicted nothing (one balancer in front of it; an engine that evicts holds less). Run:
 
     python benchmarks/precise_routing_cost.py [--repeat 300] [--cold-repeat 10] [--quick] [--replicas 8,40,2048]
     python benchmarks/precise_routing_cost.py --trace ../shared/traces/mooncake_synthetic.jsonl
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import statistics
 import time
@@ -158,7 +162,7 @@ def trace_rows(path: str, requests: int) -> None:
         total += len(full)
         seen.update(full)
     print(f"({new / total:.0%} of the prompts' whole blocks appear for the first time)")
-    print(f"| trace | prompts | mean prompt tokens | runs | tokenize ms median | chain ms | total median ms "
+    print(f"| trace | prompts | mean tokens tokenized | runs | tokenize ms median | chain ms | total median ms "
           f"| mean ms | p90 ms | p99 ms |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for cut in (True, False):
         tokenizer = load_tokenizer(TOKENIZER_DIR)
@@ -170,12 +174,40 @@ def trace_rows(path: str, requests: int) -> None:
             t1 = time.perf_counter()
             Matcher.chain(tokens, BLOCK)
             runs.append((t1 - t0, time.perf_counter() - t1, tokens.length))
-        total = [(a + b) * 1e3 for a, b, _ in runs]
-        print(f"| {path.rsplit('/', 1)[-1]} | {'cut at line seams' if tokenizer.cuts_lines else 'encoded whole'} "
-              f"| {statistics.mean(r[2] for r in runs) / 1000:.1f}K | {len(runs)} "
-              f"| {statistics.median(r[0] for r in runs) * 1e3:.2f} | {statistics.median(r[1] for r in runs) * 1e3:.2f} "
-              f"| {statistics.median(total):.2f} | {statistics.mean(total):.2f} | {pct(total, 90):.2f} "
-              f"| {pct(total, 99):.2f} |", flush=True)
+        trace_row(path, "cut at line seams" if tokenizer.cuts_lines else "encoded whole", runs)
+    waited, after = head_first(prompts)
+    trace_row(path, "routing waits for the head", waited)
+    trace_row(path, "(the rest, after routing)", after)
+
+
+def trace_row(path: str, name: str, runs: list[tuple[float, float, int]]) -> None:
+    total = [(a + b) * 1e3 for a, b, _ in runs]
+    print(f"| {path.rsplit('/', 1)[-1]} | {name} | {statistics.mean(r[2] for r in runs) / 1000:.1f}K | {len(runs)} "
+          f"| {statistics.median(r[0] for r in runs) * 1e3:.2f} | {statistics.median(r[1] for r in runs) * 1e3:.2f} "
+          f"| {statistics.median(total):.2f} | {statistics.mean(total):.2f} | {pct(total, 90):.2f} "
+          f"| {pct(total, 99):.2f} |", flush=True)
+
+
+def head_first(prompts: list[str]) -> tuple[list[tuple[float, float, int]], list[tuple[float, float, int]]]:
+    """Per prompt, (tokenize, chain + walk seconds, tokens) before routing and (tokenize + chain seconds, 0, tokens)
+    after it, as the matcher splits them, in front of one engine that holds every earlier prompt."""
+    matcher = Matcher(load_tokenizer(TOKENIZER_DIR), TokenIndex(1), 1.0)
+    matcher.index.block_size[0] = BLOCK
+    waited, after = [], []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        head = matcher.tokenizer.head("completions", {"prompt": prompt})
+        t1 = time.perf_counter()
+        chains = {BLOCK: Matcher.chain(head.prompt, BLOCK)}
+        now = head.rest is None or matcher.may_hold_more(matcher.index.held_chains(chains), chains)
+        t2 = time.perf_counter()
+        tokens, whole = matcher.finish(head, chains, [BLOCK])
+        t3 = time.perf_counter()
+        waited.append((t1 - t0 + (t3 - t2 if now else 0.0), t2 - t1, head.prompt.length if not now else tokens))
+        after.append((0.0 if now else t3 - t2, 0.0, 0 if now else tokens - head.prompt.length))
+        matcher.index.expect(0, whole[BLOCK], math.inf, 0.0)  # the engine computed it, and keeps it
+    matcher.close()
+    return waited, after
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
-from ramjet.balancer.precise.mode import Match, PreciseMode, PreciseSettings
+from ramjet.balancer.precise.matcher import Match
+from ramjet.balancer.precise.mode import PreciseMode, PreciseSettings
 from ramjet.balancer.precise.trust import AGREE_WINDOW
 from ramjet.demo.sessions import run_sessions
 from ramjet.routing.token_blocks import chain
@@ -179,6 +180,12 @@ async def sessions_across_a_balancer_restart(s, seed: int, rebuilt: bool = False
     publishers = s.engines[0].publishers  # what each rank's engine published: a shed stream's lost batches count
     batches = {str(r.rank): r.publisher.seq for r in publishers.events} if publishers is not None else {}
     old = s.balancer
+    if old.precise is not None:  # stopped while behind on a stream, it would save an older view (and rightly
+        # resume that stream as partial): the test is of a balancer that had read what was published
+        def read_all() -> bool:
+            views = (old.precise.export_view(i) for i in range(len(batches)))
+            return all(v is None or v["stream"][1] + 1 >= batches[str(i)] for i, v in enumerate(views))
+        await until(read_all, "the old balancer read every batch published before the pause")
     await s.restart_balancer()
     shed = metric_sum(old.metrics.render().decode(), "ramjet_kv_stream_states_total", kind="shed")  # until it stopped
     if s.balancer.precise is not None:

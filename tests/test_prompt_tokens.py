@@ -15,12 +15,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
 from ramjet.bench.text import TextSource
 from ramjet.errors import ApiError
-from ramjet.routing.prompt_tokens import compile_template
+from ramjet.routing.chat_template import compile_template
 from ramjet.routing.renderings import STRIDE, Renderings
 from ramjet.routing.token_blocks import chain
 from ramjet.routing.token_index import TokenIndex
 from ramjet.sim.tokens import load_tokenizer as engine_tokenizer
-from token_helpers import TOKENIZER, TOOLS, corpus
+from token_helpers import TOKENIZER, TOOLS, agent_turns, corpus
 
 pytestmark = pytest.mark.unit
 
@@ -76,24 +76,6 @@ def test_what_cannot_be_tokenized_as_the_engine_would_is_said_so(balancer_side, 
     with pytest.raises(ApiError) as e:
         balancer_side.prompt(route, body)
     assert e.value.status == 400 and message in e.value.body().decode()
-
-
-def agent_turns(salt: str, turns: int) -> list[dict]:
-    """An agent's growing conversation (sizes in characters), long enough for many checkpoints."""
-    source, n = TextSource(salt), iter(range(1_000_000))
-    text = (lambda chars: source.text(f"t{next(n)}", chars // 4))
-    messages = [{"role": "system", "content": text(20_000)}, {"role": "user", "content": text(400)}]
-    bodies = []
-    for k in range(turns):
-        call = {"id": f"c{k}", "type": "function", "function": {"name": "read_file",
-                                                                 "arguments": f'{{"path": "f{k}.py"}}'}}
-        messages = messages + [{"role": "assistant", "content": None, "reasoning_content": text(300),
-                                "tool_calls": [call]},
-                               {"role": "tool", "tool_call_id": f"c{k}", "content": text(9_000)}]
-        if k % 3 == 2:  # a new user turn: the template drops the reasoning of every earlier assistant turn
-            messages.append({"role": "user", "content": text(200) + " Ünïcode 🚀"})
-        bodies.append({"messages": messages, "tools": TOOLS})
-    return bodies
 
 
 def test_long_sessions_reuse_their_last_turn_and_get_the_ids_and_block_hashes_of_a_cold_tokenizer():

@@ -9,6 +9,7 @@ import random
 from array import array
 from importlib.resources import files
 
+from ramjet.bench.text import TextSource
 from ramjet.routing.token_index import TokenIndex
 
 TOKENIZER = str(files("ramjet.sim") / "tokenizer")  # the simulator's own: the model's tokenizer, as deployed
@@ -54,3 +55,21 @@ def corpus() -> list[dict]:
         {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x " * 3000}]},
         {"messages": [{"role": "user", "content": "a", "name": None}], "chat_template_kwargs": {}},
     ]
+
+
+def agent_turns(salt: str, turns: int) -> list[dict]:
+    """An agent's growing conversation (sizes in characters), long enough for many checkpoints."""
+    source, n = TextSource(salt), iter(range(1_000_000))
+    text = (lambda chars: source.text(f"t{next(n)}", chars // 4))
+    messages = [{"role": "system", "content": text(20_000)}, {"role": "user", "content": text(400)}]
+    bodies = []
+    for k in range(turns):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "read_file",
+                                                                 "arguments": f'{{"path": "f{k}.py"}}'}}
+        messages = messages + [{"role": "assistant", "content": None, "reasoning_content": text(300),
+                                "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": f"c{k}", "content": text(9_000)}]
+        if k % 3 == 2:  # a new user turn: the template drops the reasoning of every earlier assistant turn
+            messages.append({"role": "user", "content": text(200) + " Ünïcode 🚀"})
+        bodies.append({"messages": messages, "tools": TOOLS})
+    return bodies

@@ -3,10 +3,8 @@
 Precise routing matches a request against the blocks an engine reports it
 holds, and those are blocks of token ids; so the balancer must produce the
 same ids. Engines render chat with the model's Hugging Face chat template
-(`apply_chat_template` semantics: a sandboxed jinja2 environment with
-`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` filter and the
-`raise_exception` / `strftime_now` globals) and tokenize the result without
-adding special tokens; completions prompts are tokenized with them.
+(ramjet.routing.chat_template) and tokenize the result without adding special
+tokens; completions prompts are tokenized with them.
 
 Tokenizing is incremental. A rendered chat prompt takes the token ids of the
 earlier rendering it shares the most text with (ramjet.routing.renderings), up
@@ -18,81 +16,38 @@ re-tokenizes only the pieces it changed. Where the tokenizer allows it
 (ramjet.routing.text_seams), long text between special tokens is cut again at
 plain line breaks, so a long single message or completions prompt that extends
 an earlier one is tokenized only where it is new.
+
+Tokenizing stops early on request (`head`): a little way into the first piece
+this tokenizer never saw. An engine holds a prefix only if that prefix was sent
+to it, so past new text it holds nothing, unless the text reached it another way
+(another balancer, a client sending directly): the caller walks the head and
+finishes the rest before routing only when some replica holds the head to its end.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 
 import jinja2
-import jinja2.ext
-import jinja2.runtime
-import jinja2.utils
 import xxhash
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ramjet.errors import bad_request
 from ramjet.routing import text_seams
+from ramjet.routing.chat_template import compile_template
 from ramjet.routing.renderings import Rendering, Renderings, Reuse, checkpoints, first_ids
+
+
+HEAD_NEW_CHARS = 512  # new text a head takes, at least: a few blocks, so that its last one holds some of it
 
 
 class TemplateError(ValueError):
     """The tokenizer directory or its chat template cannot be used."""
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-_JINJA_STATE = (jinja2.runtime.LoopContext, jinja2.utils.Namespace)  # `loop.index0`, `ns.last_user`
-
-
-class _TemplateEnvironment(ImmutableSandboxedEnvironment):
-    """Hugging Face's sandbox with its commonest lookup made cheap (a third of a long render's time).
-
-    `message.role` on a plain dict, for a key that is no dict attribute, ends where the sandbox's
-    own `getattr` ends after its attribute lookup fails: the item, or undefined. A public attribute
-    of jinja's own loop or namespace object is one the sandbox always allows. Everything else
-    takes the sandbox's checks.
-    """
-
-    def getattr(self, obj, attribute):
-        kind = type(obj)
-        if kind is dict and attribute not in _DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self.undefined(obj=obj, name=attribute)
-        if kind in _JINJA_STATE and not attribute.startswith("_"):
-            try:
-                return getattr(obj, attribute)
-            except AttributeError:
-                pass
-        return super().getattr(obj, attribute)
-
-
-def compile_template(source: str) -> jinja2.Template:
-    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +76,27 @@ class Prompt:
     @property
     def ids(self) -> array:
         return self.ids_from(0)
+
+
+@dataclass(slots=True)
+class Head:
+    """A request's leading token ids, a little way into the first text this tokenizer never saw; `finish` gives
+    them all."""
+
+    prompt: Prompt                  # the head's ids; the whole prompt, rendering included, when `rest` is None
+    rest_chars: int = 0             # characters after the head
+    head_chars: int = 0             # characters the head's ids cover
+    rest: Callable[[], Prompt] | None = None
+
+    @property
+    def estimated_tokens(self) -> int:
+        """The whole prompt's length: exact when nothing is left, else the rest at the head's characters a token."""
+        n = self.prompt.length
+        return n + round(self.rest_chars * n / self.head_chars) if self.rest and self.head_chars else n
+
+    def finish(self) -> Prompt:
+        """The whole prompt's ids (a chat prompt's rendering is kept for the next turn only now)."""
+        return self.prompt if self.rest is None else self.rest()
 
 
 class PieceCache:
@@ -197,47 +173,72 @@ class PromptTokenizer:
         holds the interpreter lock throughout (measured: 1.9 s for 600K tokens, the event loop stopped for
         all of it), its batch call lets the loop run meanwhile.
         """
-        if not add_special_tokens:
-            return self._pieces(text)
-        if self._wrapping is None:
-            return array("I", self._encode_batch([text], add_special_tokens=True)[0].ids)
-        before, after = self._wrapping
-        ids = self._pieces(text)
-        return array("I", before) + ids + array("I", after) if before or after else ids  # most add nothing
+        return self._text_head(text, add_special_tokens, stop=False).prompt.ids
 
     def encode_rendered(self, text: str) -> Prompt:
         """A rendered chat prompt's ids, reusing those of the earlier rendering that shares the most of it."""
+        return self._rendered_head(text, stop=False).finish()
+
+    def _text_head(self, text: str, add_special_tokens: bool, stop: bool = True) -> Head:
+        if add_special_tokens and self._wrapping is None:
+            return Head(Prompt([array("I", self._encode_batch([text], add_special_tokens=True)[0].ids)]))
+        before, after = self._wrapping if add_special_tokens else ((), ())  # most tokenizers add nothing
+        ids, used = self._pieces(text, stop=stop)
+        if before:
+            ids = array("I", before) + ids
+        if used == len(text):
+            return Head(Prompt([ids + array("I", after) if after else ids]))
+
+        def rest() -> Prompt:
+            more = self._pieces(text[used:])[0]
+            return Prompt([ids, more + array("I", after) if after else more])
+        return Head(Prompt([ids]), len(text) - used, used, rest)
+
+    def _rendered_head(self, text: str, stop: bool = True) -> Head:
         if self.renderings is None:
-            return Prompt([self.encode(text)])
+            return self._text_head(text, False, stop)
         marks = checkpoints(text, self.renderings.stride)
         reuse = self.renderings.find(text, marks)
         start, tokens, cuts, cut_tokens = 0, 0, [], []
         if reuse is not None:
             start, tokens = reuse.chars, reuse.tokens
             cuts, cut_tokens = reuse.base.cuts[:reuse.cut + 1], reuse.base.cut_tokens[:reuse.cut + 1]
-        rest = self._pieces(text[start:], start, cuts, cut_tokens, tokens)
-        segments = (first_ids(reuse.base.segments, tokens) if reuse is not None else []) + [rest]  # no copy
-        rendering = Rendering(text, segments, cuts, cut_tokens, marks)
-        self.renderings.add(rendering, reuse)
-        return Prompt(segments, rendering, reuse)
+        reused = first_ids(reuse.base.segments, tokens) if reuse is not None else []  # no copy
+        ids, used = self._pieces(text[start:], stop, start, cuts, cut_tokens, tokens)
+        done = start + used
 
-    def _pieces(self, text: str, offset: int = 0, cuts: list[int] | None = None,
-                cut_tokens: list[int] | None = None, before: int = 0) -> array:
-        """The ids of `text`, piece by piece; with `cuts`, note where each special token ends, in characters
-        after `offset` and in tokens after `before`."""
+        def whole(more: array | None) -> Prompt:
+            segments = reused + [ids] + ([more] if more else [])
+            rendering = Rendering(text, segments, cuts, cut_tokens, marks)
+            self.renderings.add(rendering, reuse)
+            return Prompt(segments, rendering, reuse)
+        if done == len(text):
+            return Head(whole(None))
+        return Head(Prompt(reused + [ids], None, reuse), len(text) - done, done,
+                    lambda: whole(self._pieces(text[done:], False, done, cuts, cut_tokens, tokens + len(ids))[0]))
+
+    def _pieces(self, text: str, stop: bool = False, offset: int = 0, cuts: list[int] | None = None,
+                cut_tokens: list[int] | None = None, before: int = 0) -> tuple[array, int]:
+        """The ids of `text`, piece by piece, and the characters they cover: all of it, or with `stop` up to
+        HEAD_NEW_CHARS past the start of the first piece not in the cache. With `cuts`, note where each
+        special token ends, in characters after `offset` and in tokens after `before`."""
         missing: list[tuple[int, str]] = []
         found: list[array | int] = []
         ends: list[tuple[int, bool]] = []  # where each piece ends, and whether it is a special token
+        used, new_from = 0, None  # characters so far; where the first piece not in the cache began
         for piece, special in self._cut(text):
-            offset += len(piece)
-            ends.append((offset, special))
             key = xxhash.xxh3_64_intdigest(piece.encode("utf-8", "surrogatepass"))
             ids = self.cache.get(key)
             if ids is None:
                 missing.append((key, piece))
                 found.append(key)
+                new_from = used if new_from is None else new_from
             else:
                 found.append(ids)
+            used += len(piece)
+            ends.append((offset + used, special))
+            if stop and new_from is not None and used - new_from >= HEAD_NEW_CHARS:
+                break
         if missing:
             encoded = self._encode_batch([p for _, p in missing], add_special_tokens=False)
             fresh = {key: array("I", e.ids) for (key, _), e in zip(missing, encoded)}
@@ -250,7 +251,7 @@ class PromptTokenizer:
             if special and cuts is not None:
                 cuts.append(end)
                 cut_tokens.append(before + len(out))
-        return out
+        return out, used
 
     def _cut(self, text: str):
         """(piece, is a special token) in order: cut at special tokens, then long text at line seams."""
@@ -266,21 +267,25 @@ class PromptTokenizer:
 
     def prompt(self, route: str, body: dict) -> Prompt:
         """The token ids the engine computes for this request; ApiError (400) when it cannot be known."""
+        return self.head(route, body).finish()
+
+    def head(self, route: str, body: dict) -> Head:
+        """This request's ids through its first new text (module docstring); ApiError (400) as `prompt`."""
         if route == "chat":
-            return self.encode_rendered(self.render_chat(body))
+            return self._rendered_head(self.render_chat(body))
         if route == "generate":
             if isinstance(body.get("input_ids"), list):
-                return Prompt([_ids(body["input_ids"])])
+                return Head(Prompt([_ids(body["input_ids"])]))
             text = body.get("text")
             if isinstance(text, str):
-                return Prompt([self.encode(text, add_special_tokens=True)])
+                return self._text_head(text, add_special_tokens=True)
             raise bad_request("'text' must be a string or 'input_ids' a list of token ids", "text")
         if route == "completions":
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                return Prompt([self.encode(prompt, add_special_tokens=True)])
+                return self._text_head(prompt, add_special_tokens=True)
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return Prompt([_ids(prompt)])
+                return Head(Prompt([_ids(prompt)]))
             raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
         raise bad_request(f"precise routing does not tokenize {route} requests")
 

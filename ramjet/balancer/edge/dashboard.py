@@ -117,6 +117,6 @@ def request_row(b: Balancer, o: Finished) -> dict:
                 "score": ranking.scores[i]}
     row.update(reason=ranking.reason, policy=d.policy, new_session=d.new_session, alpha=b.router.params.alpha,
                blocks=len(d.fingerprint.blocks), prompt_bytes=d.fingerprint.prompt_bytes,
-               engine_prompt_tokens=c.match.prompt_tokens if c.match is not None else None,
+               engine_prompt_tokens=c.match.whole[0] if c.match is not None else None,
                pick=terms(order[0]), runner_up=terms(order[1]) if len(order) > 1 else None)
     return row

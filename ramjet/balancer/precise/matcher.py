@@ -3,23 +3,36 @@
 The tokenizer is the model's own (RJ_TOKENIZER), loaded here from a Hugging Face
 directory; tokenizing and hashing run on a small thread pool so that one cold
 115K-token prompt delays no other request's routing.
+
+Routing waits only for the prompt's head (routing/prompt_tokens.py: through its
+first text never seen here). When no replica holds the head to its end, no replica
+holds anything past it, so the match is already the whole prompt's: the rest is
+tokenized after routing, on a thread of its own, for the blocks the request will
+leave behind and for the next turn (measured on the synthetic trace, whose text is
+82% new: docs/benchmarks.md). Only the share's denominator, the prompt's length, is
+then estimated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ramjet.routing.prompt_tokens import Prompt, PromptTokenizer, TemplateError
+from ramjet.routing.prompt_tokens import Head, Prompt, PromptTokenizer, TemplateError
 from ramjet.routing.token_blocks import chain
 from ramjet.routing.token_index import Held, TokenIndex
 from ramjet.routing.units import reload_priced
 
 TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
+log = logging.getLogger("ramjet.precise")
+
+Chains = dict[int, list[int]]  # block size -> the prompt's chained block hashes
 
 
 def load_tokenizer(path: str | Path, cache_tokens: int = 16_000_000) -> PromptTokenizer:
@@ -49,6 +62,27 @@ def load_tokenizer(path: str | Path, cache_tokens: int = 16_000_000) -> PromptTo
     return PromptTokenizer(tokenizer, template, special, cache_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Match:
+    """One request seen through the engines' reports."""
+
+    prompt_tokens: int                 # estimated while `rest` is pending (precise/matcher.py)
+    held: list[Held]                   # what each replica holds of it (GPU, host tier)
+    shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
+    chains: dict[int, list[int]]       # the block chain at each engine block size (of its head, while `rest`)
+    known: list[bool]                  # whether a replica's block size was known: without it, no prediction
+    removals: int = 0                  # the token index's eviction mark when it was matched
+    rest: asyncio.Future | None = None  # (tokens, chains) of the whole prompt, tokenized after routing
+
+    @property
+    def whole(self) -> tuple[int, dict[int, list[int]]]:
+        """The whole prompt's tokens and chains once known, else what routing used."""
+        rest = self.rest
+        if rest is not None and rest.done() and not rest.cancelled() and rest.exception() is None:
+            return rest.result()
+        return self.prompt_tokens, self.chains
+
+
 class Matcher:
     """Request -> what each replica holds, tokenized off the event loop."""
 
@@ -57,24 +91,51 @@ class Matcher:
         self.index = index
         self.host_credit = host_credit
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
+        self._rests = ThreadPoolExecutor(1, thread_name_prefix="ramjet-tokenize-rest")  # never ahead of a head
 
-    async def held(self, route: str, body: dict) -> tuple[int, list[Held], dict[int, list[int]]]:
-        """(prompt tokens, per replica what it holds, the prompt's chain per block size); ApiError if untokenizable."""
+    async def held(self, route: str, body: dict) -> tuple[int, list[Held], Chains, asyncio.Future | None]:
+        """(prompt tokens, per replica what it holds, the prompt's chain per block size, the rest); ApiError if
+        untokenizable. With a rest (a future of the whole prompt's tokens and chains), the chains are its head's
+        and the tokens estimated."""
+        loop = asyncio.get_running_loop()
         sizes = sorted({s for s in self.index.block_size if s})
-        tokens, chains = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenize, route, body,
-                                                                          sizes)
-        return tokens, self.index.held_chains(chains), chains
+        head, chains = await loop.run_in_executor(self._pool, self.head, route, body, sizes)
+        held = self.index.held_chains(chains)
+        if head.rest is None:
+            return head.prompt.length, held, chains, None
+        if self.may_hold_more(held, chains):  # e.g. another balancer sent this text: match all of it now
+            tokens, chains = await loop.run_in_executor(self._pool, self.finish, head, chains, sizes)
+            return tokens, self.index.held_chains(chains), chains, None
+        rest = loop.run_in_executor(self._rests, self.finish, head, chains, sizes)
+        rest.add_done_callback(_said_if_failed)
+        return head.estimated_tokens, held, chains, rest
 
-    def _tokenize(self, route: str, body: dict, sizes: list[int]) -> tuple[int, dict[int, list[int]]]:
-        prompt = self.tokenizer.prompt(route, body)
-        return prompt.length, {size: self.chain(prompt, size) for size in sizes}
+    def may_hold_more(self, held: list[Held], chains: Chains) -> bool:
+        """Whether some replica holds (or is computing) the head's last block: then it may hold more."""
+        for h, size in zip(held, self.index.block_size):
+            if size in chains and max(h.tokens, h.reach_tokens) >= len(chains[size]) * size:
+                return True
+        return False
+
+    def head(self, route: str, body: dict, sizes: list[int]) -> tuple[Head, Chains]:
+        """The request's head and its chains (a worker thread's part before routing)."""
+        head = self.tokenizer.head(route, body)
+        return head, {size: self.chain(head.prompt, size) for size in sizes}
+
+    def finish(self, head: Head, chains: Chains, sizes: list[int]) -> tuple[int, Chains]:
+        """The whole prompt's tokens and chains, the head's hashes kept (before or after routing)."""
+        prompt, tokens = head.finish(), head.prompt.length
+        whole = {size: extend_chain(prompt, size, chains[size], tokens) for size in sizes}
+        if prompt.rendering is not None:
+            prompt.rendering.chains.update(whole)
+        return prompt.length, whole
 
     @staticmethod
     def chain(prompt: Prompt, size: int) -> list[int]:
         """The prompt's block hashes, those of the blocks it shares with an earlier rendering taken from it."""
-        earlier = prompt.reused.base.chains.get(size, []) if prompt.reused is not None else []
-        kept = min(len(earlier), prompt.reused.tokens // size) if earlier else 0
-        hashes = earlier[:kept] + chain(prompt.ids_from(kept * size), size, parent=earlier[kept - 1] if kept else None)
+        reused = prompt.reused
+        hashes = extend_chain(prompt, size, reused.base.chains.get(size, []) if reused else [],
+                              reused.tokens if reused else 0)
         if prompt.rendering is not None:
             prompt.rendering.chains[size] = hashes
         return hashes
@@ -91,3 +152,16 @@ class Matcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._rests.shutdown(wait=False, cancel_futures=True)
+
+
+def extend_chain(prompt: Prompt, size: int, earlier: list[int], earlier_tokens: int) -> list[int]:
+    """The prompt's block hashes, those of its first `earlier_tokens` ids taken from `earlier` (hashed before:
+    an earlier rendering's, or the head's)."""
+    kept = min(len(earlier), earlier_tokens // size)
+    return earlier[:kept] + chain(prompt.ids_from(kept * size), size, parent=earlier[kept - 1] if kept else None)
+
+
+def _said_if_failed(rest: asyncio.Future) -> None:
+    if not rest.cancelled() and rest.exception() is not None:
+        log.warning("tokenizing a prompt's rest after routing failed: %r", rest.exception())

@@ -48,32 +48,19 @@ from ramjet.balancer.metrics import Metrics
 from ramjet.balancer.precise.discover import discover
 from ramjet.balancer.precise.ingest import SLICE_EVENTS, Ingest
 from ramjet.balancer.precise.intake import Intake
-from ramjet.balancer.precise.matcher import Matcher
+from ramjet.balancer.precise.matcher import Match, Matcher
 from ramjet.balancer.precise.trust import Trust
 from ramjet.errors import ApiError
 from ramjet.kvevents.discovery import Endpoints
 from ramjet.kvevents.sequencing import Ration
 from ramjet.kvevents.subscriber import EventStream, StreamState
 from ramjet.kvevents.wire import Batch
-from ramjet.routing.token_index import Held
 
 log = logging.getLogger("ramjet.precise")
 
 EXPECT_S = 5.0        # how long a routed request's blocks count as held before the engine reports them
 SWEEP_S = 1.0         # how often expected blocks the engine never reported are dropped
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # a failed stream is opened again after 1 s, doubling to 30 s
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """One request seen through the engines' reports."""
-
-    prompt_tokens: int
-    held: list[Held]                   # what each replica holds of it (GPU, host tier)
-    shares: list[float | None]         # the held share the router may use; None where the replica is not trusted
-    chains: dict[int, list[int]]       # the prompt's block chain at each engine block size
-    known: list[bool]                  # whether a replica's block size was known: without it, no prediction
-    removals: int = 0                  # the token index's eviction mark when it was matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +105,18 @@ class PreciseMode:
         """
         now = time.monotonic()
         try:
-            prompt_tokens, held, chains = await self.matcher.held(route, body)
+            prompt_tokens, held, chains, rest = await self.matcher.held(route, body)
         except ApiError:
             return None
         shares = self.matcher.shares(prompt_tokens, held)
         known = [size in chains for size in self.index.block_size]
         return Match(prompt_tokens, held, [s if k and t.trusted(now) else None
                                            for s, k, t in zip(shares, known, self.trust)], chains, known,
-                     self.index.removals)
+                     self.index.removals, rest)
 
     def sent(self, i: int, match: Match) -> None:
-        """The request goes to replica i: until its first byte, its blocks bound what i may hold."""
+        """The request goes to replica i: until its first byte, its blocks bound what i may hold (those routing
+        matched: a rest tokenized after routing holds only blocks no replica had when it was routed)."""
         hashes = self._chain(i, match)
         if hashes:
             self.index.started(i, hashes)
@@ -145,7 +133,7 @@ class PreciseMode:
         if hashes:
             now = time.monotonic()
             self.index.ended(i, hashes)
-            self.index.expect(i, hashes, now + EXPECT_S, now)
+            self.index.expect(i, self._chain(i, match, whole=True), now + EXPECT_S, now)
 
     def failed(self, i: int, match: Match) -> None:
         """Replica i did not answer, or answered with an error: it computed nothing."""
@@ -153,10 +141,12 @@ class PreciseMode:
         if hashes:
             self.index.ended(i, hashes)
 
-    def _chain(self, i: int, match: Match) -> list[int] | None:
-        """The request's block hashes at replica i's block size (no event from it yet: a fleet-wide size)."""
-        size = self.index.block_size[i] or next(iter(match.chains), None)
-        return match.chains.get(size)
+    def _chain(self, i: int, match: Match, whole: bool = False) -> list[int] | None:
+        """The request's block hashes at replica i's block size (no event from it yet: a fleet-wide size): those
+        routing matched (and `sent` marked), or `whole`, the whole prompt's once its rest is tokenized."""
+        chains = match.whole[1] if whole else match.chains
+        size = self.index.block_size[i] or next(iter(chains), None)
+        return chains.get(size)
 
     def observe(self, i: int, match: Match, approximate: int, reported: int, prompt_tokens: int) -> None:
         """An answered request on replica i: the engine reported `reported` of `prompt_tokens` cached.
@@ -173,11 +163,11 @@ class PreciseMode:
         held = match.held[i]
         agreed = held.tokens - block <= reported <= max(held.tokens, held.reach_tokens) + block
         consistent = agreed
-        if reported < held.tokens - block and (hashes := self._chain(i, match)):
+        hashes = self._chain(i, match, whole=True)
+        if reported < held.tokens - block and hashes:
             end = reported // block  # the first block the engine did not find
             consistent = self.index.removed_since(i, hashes[max(end - 1, 0):end + 2], match.removals)
         self.trust[i].compare(consistent)
-        hashes = self._chain(i, match)
         if prompt_tokens - reported >= 2 * block and not (hashes and self.index.reported(i, hashes[-1])):
             # it computed whole new blocks the engine has not reported yet: a batch is owed
             self.trust[i].owed(time.monotonic() + self.s.silence_s)

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ramjet.balancer.cluster.fleet import Fleet
-from ramjet.balancer.precise.mode import Match, PreciseMode
+from ramjet.balancer.precise.matcher import Match
+from ramjet.balancer.precise.mode import PreciseMode
 from ramjet.routing.router import Decision, Router
 from ramjet.routing.units import with_idle_decode
 

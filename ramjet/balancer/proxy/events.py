@@ -139,5 +139,5 @@ class PreciseTrust(AttemptListener):
         if m is None or not m.known[i] or o.usage is None:
             return
         fp = d.fingerprint
-        approximate = round(fp.covered_bytes(d.overlaps[i]) / max(fp.prompt_bytes, 1) * m.prompt_tokens)
+        approximate = round(fp.covered_bytes(d.overlaps[i]) / max(fp.prompt_bytes, 1) * m.whole[0])
         self.precise.observe(i, m, approximate, o.usage.cached_tokens, o.usage.prompt_tokens)
