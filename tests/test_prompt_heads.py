@@ -87,6 +87,28 @@ async def test_routing_matches_a_new_prompt_by_its_head_and_its_rest_follows():
         matcher.close()
 
 
+async def test_when_rests_fall_behind_a_request_is_tokenized_whole_before_routing():
+    # a flood of new text must not queue work without bound: past the bound, routing waits as before
+    index = TokenIndex(1)
+    index.block_size[0] = BLOCK
+    matcher = Matcher(load_tokenizer(TOKENIZER), index, 1.0)
+    matcher.max_rests = 1
+    try:
+        first, second = agent_turns("flood-a", 1)[0], agent_turns("flood-b", 1)[0]
+        *_, rest = await matcher.held("chat", first)
+        assert rest is not None and matcher.rests == 1
+        tokens, _, chains, queued = await matcher.held("chat", second)
+        assert queued is None and tokens == len(cold_ids("chat", second))
+        await rest
+        await asyncio.sleep(0)  # its done callback
+        assert matcher.rests == 0
+        *_, rest = await matcher.held("chat", agent_turns("flood-c", 1)[0])
+        assert rest is not None
+        await rest
+    finally:
+        matcher.close()
+
+
 async def test_text_another_balancer_sent_is_matched_whole_before_routing():
     index = TokenIndex(2)
     matcher = Matcher(load_tokenizer(TOKENIZER), index, 1.0)  # has seen none of this conversation

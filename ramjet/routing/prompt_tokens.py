@@ -177,7 +177,7 @@ class PromptTokenizer:
 
     def encode_rendered(self, text: str) -> Prompt:
         """A rendered chat prompt's ids, reusing those of the earlier rendering that shares the most of it."""
-        return self._rendered_head(text, stop=False).finish()
+        return self.rendered_head(text, stop=False).finish()
 
     def _text_head(self, text: str, add_special_tokens: bool, stop: bool = True) -> Head:
         if add_special_tokens and self._wrapping is None:
@@ -194,7 +194,8 @@ class PromptTokenizer:
             return Prompt([ids, more + array("I", after) if after else more])
         return Head(Prompt([ids]), len(text) - used, used, rest)
 
-    def _rendered_head(self, text: str, stop: bool = True) -> Head:
+    def rendered_head(self, text: str, stop: bool = True) -> Head:
+        """A rendered chat prompt's head (`head`), with the ids of the earlier rendering sharing the most of it."""
         if self.renderings is None:
             return self._text_head(text, False, stop)
         marks = checkpoints(text, self.renderings.stride)
@@ -272,7 +273,7 @@ class PromptTokenizer:
     def head(self, route: str, body: dict) -> Head:
         """This request's ids through its first new text (module docstring); ApiError (400) as `prompt`."""
         if route == "chat":
-            return self._rendered_head(self.render_chat(body))
+            return self.rendered_head(self.render_chat(body))
         if route == "generate":
             if isinstance(body.get("input_ids"), list):
                 return Head(Prompt([_ids(body["input_ids"])]))

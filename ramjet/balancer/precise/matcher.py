@@ -4,10 +4,10 @@ The tokenizer is the model's own (RJ_TOKENIZER), loaded here from a Hugging Face
 directory; tokenizing and hashing run on a small thread pool so that one cold
 115K-token prompt delays no other request's routing.
 
-Routing waits only for the prompt's head (routing/prompt_tokens.py: through its
-first text never seen here). When no replica holds the head to its end, no replica
-holds anything past it, so the match is already the whole prompt's: the rest is
-tokenized after routing, on a thread of its own, for the blocks the request will
+Routing waits only for the prompt's head (routing/prompt_tokens.py: a little way
+into its first text never seen here). When no replica holds the head to its end, no
+replica holds anything past it, so the match is already the whole prompt's: the rest
+is tokenized after routing, on a thread of its own, for the blocks the request will
 leave behind and for the next turn (measured on the synthetic trace, whose text is
 82% new: docs/benchmarks.md). Only the share's denominator, the prompt's length, is
 then estimated.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -30,6 +30,7 @@ from ramjet.routing.token_index import Held, TokenIndex
 from ramjet.routing.units import reload_priced
 
 TOKENIZER_THREADS = 2  # a cold 115K-token prompt must not hold up everyone else's tokenizing
+MAX_RESTS = 32  # rests queued after routing, at most: past it a request's rest is tokenized before it is routed
 log = logging.getLogger("ramjet.precise")
 
 Chains = dict[int, list[int]]  # block size -> the prompt's chained block hashes
@@ -92,6 +93,7 @@ class Matcher:
         self.host_credit = host_credit
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
         self._rests = ThreadPoolExecutor(1, thread_name_prefix="ramjet-tokenize-rest")  # never ahead of a head
+        self.max_rests, self.rests = MAX_RESTS, 0  # the bound and how many are queued or running
 
     async def held(self, route: str, body: dict) -> tuple[int, list[Held], Chains, asyncio.Future | None]:
         """(prompt tokens, per replica what it holds, the prompt's chain per block size, the rest); ApiError if
@@ -103,12 +105,20 @@ class Matcher:
         held = self.index.held_chains(chains)
         if head.rest is None:
             return head.prompt.length, held, chains, None
-        if self.may_hold_more(held, chains):  # e.g. another balancer sent this text: match all of it now
+        # Another balancer may have sent this text: match all of it now. So also when the rests fall behind:
+        # what waits for them is bounded, and a sustained flood of new text is slowed as it was before.
+        if self.rests >= self.max_rests or self.may_hold_more(held, chains):
             tokens, chains = await loop.run_in_executor(self._pool, self.finish, head, chains, sizes)
             return tokens, self.index.held_chains(chains), chains, None
+        self.rests += 1
         rest = loop.run_in_executor(self._rests, self.finish, head, chains, sizes)
-        rest.add_done_callback(_said_if_failed)
+        rest.add_done_callback(self._rest_done)
         return head.estimated_tokens, held, chains, rest
+
+    def _rest_done(self, rest: asyncio.Future) -> None:
+        self.rests -= 1
+        if not rest.cancelled() and rest.exception() is not None:
+            log.warning("tokenizing a prompt's rest after routing failed: %r", rest.exception())
 
     def may_hold_more(self, held: list[Held], chains: Chains) -> bool:
         """Whether some replica holds (or is computing) the head's last block: then it may hold more."""
@@ -161,7 +171,3 @@ def extend_chain(prompt: Prompt, size: int, earlier: list[int], earlier_tokens: 
     kept = min(len(earlier), earlier_tokens // size)
     return earlier[:kept] + chain(prompt.ids_from(kept * size), size, parent=earlier[kept - 1] if kept else None)
 
-
-def _said_if_failed(rest: asyncio.Future) -> None:
-    if not rest.cancelled() and rest.exception() is not None:
-        log.warning("tokenizing a prompt's rest after routing failed: %r", rest.exception())
