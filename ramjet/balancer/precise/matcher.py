@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,12 @@ Chains = dict[int, list[int]]  # block size -> the prompt's chained block hashes
 
 
 def load_tokenizer(path: str | Path, cache_tokens: int = 16_000_000) -> PromptTokenizer:
-    """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template)."""
+    """A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with the chat template).
+
+    The library's own thread pool is turned off (unless TOKENIZERS_PARALLELISM says otherwise): the
+    balancer's tokenizing threads are its parallelism, and a rest tokenized after routing must stay on
+    its own low-priority thread, not fan out over every core of a host it shares with the engine."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = Path(path)
     try:
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -92,7 +99,7 @@ class Matcher:
         self.index = index
         self.host_credit = host_credit
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ramjet-tokenize")
-        self._rests = ThreadPoolExecutor(1, thread_name_prefix="ramjet-tokenize-rest")  # never ahead of a head
+        self._rests = ThreadPoolExecutor(1, thread_name_prefix="ramjet-tokenize-rest", initializer=_yielding)
         self.max_rests, self.rests = MAX_RESTS, 0  # the bound and how many are queued or running
 
     async def held(self, route: str, body: dict) -> tuple[int, list[Held], Chains, asyncio.Future | None]:
@@ -163,6 +170,15 @@ class Matcher:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._rests.shutdown(wait=False, cancel_futures=True)
+
+
+def _yielding() -> None:
+    """The rests' thread yields the CPU to everything else (the proxy, the heads, the engine's own processes on a
+    shared host): Linux sets a nice value per thread. Elsewhere it runs at the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def extend_chain(prompt: Prompt, size: int, earlier: list[int], earlier_tokens: int) -> list[int]:

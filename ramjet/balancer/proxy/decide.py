@@ -35,7 +35,7 @@ class Choice:
 
 class Decider:
     def __init__(self, router: Router, fleet: Fleet, precise: PreciseMode | None = None,
-                 session_header: str | None = None, idle_decode_units: float = 0.0):
+                 session_header: str | None = None, *, idle_decode_units: float):
         self.router, self.fleet, self.precise = router, fleet, precise
         self.idle_decode_units = idle_decode_units  # RJ_ROUTE_IDLE_DECODE_UNITS (routing/units.py)
         self.session_header = session_header.lower().encode() if session_header else None

@@ -176,7 +176,7 @@ def build_balancer(settings: Settings, replicas: list[Replica], metrics: Metrics
     if precise is not None:
         fleet.on_cache_lost(precise.forget)
     decider = Decider(router, fleet, precise, s.session_header if s.session_hints else None,
-                      s.route_idle_decode_units)
+                      idle_decode_units=s.route_idle_decode_units)
     admission = Admission(router, fleet, AdmissionRule(s.admission_idle_s, s.admission_max_wait_s), metrics) \
         if s.admission else None
     if admission is not None:
