@@ -17,8 +17,7 @@ from token_helpers import TOKENIZER
 from ramjet.balancer.cluster.fleet import Fleet
 from ramjet.balancer.cluster.topology import Replica
 from ramjet.balancer.metrics import Metrics
-from ramjet.balancer.precise.matcher import Matcher, load_tokenizer
-from ramjet.balancer.precise.matcher import Match
+from ramjet.balancer.precise.matcher import Match, Matcher, load_tokenizer
 from ramjet.balancer.precise.mode import PreciseMode, PreciseSettings
 from ramjet.balancer.precise.trust import AGREE_WINDOW
 from ramjet.demo.sessions import run_sessions
