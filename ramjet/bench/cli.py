@@ -12,6 +12,7 @@ from ramjet.bench import compare as cmp
 from ramjet.bench import trace_cli
 from ramjet.bench.placements import ENGINE_EVENTS_HELP, expand_placements, parse_balancer_env
 from ramjet.bench.report import format_repeats
+from ramjet.bench.sims import ENGINE_CPUS_HELP
 from ramjet.bench.summary import format_summary, summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -131,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra flag for every simulator, e.g. --sim-arg=--decode-tokens-per-s=32 (repeatable)")
     c.add_argument("--engine-events", action="store_true",
                    help=ENGINE_EVENTS_HELP)
+    c.add_argument("--engine-cpus", type=trace_cli.cpus_arg, default=(), metavar="CPUS", help=ENGINE_CPUS_HELP)
     c.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     c.add_argument("--repeat", "--repeats", dest="repeats", type=int, default=1, metavar="N",
                    help="run every cell N times, a repeat's placements back to back; summary.md adds each cell's "
@@ -179,7 +181,7 @@ def _run_compare(args) -> int:
             model=args.model, workload=_workload(args), request_timeout=args.request_timeout, balancer_env=env,
             kv_hint=not args.no_kv_hint, progress=not args.quiet, plots=not args.no_plots, repeats=args.repeats,
             paired=args.paired, journal=args.journal, sim_args=args.sim_arg,
-            engine_events=args.engine_events)
+            engine_events=args.engine_events, engine_cpus=args.engine_cpus)
     except ValueError as e:
         print(f"ramjet bench compare: {e}", file=sys.stderr)
         return 2

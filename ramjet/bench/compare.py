@@ -58,7 +58,7 @@ from ramjet.bench.placements import (KINDS, PlacementContext, expand_placements,
                                      start_placement)
 from ramjet.bench.report import cell_name, format_table, write_outputs
 from ramjet.bench.sims import (DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK, DP_SIZE, cpu_share,
-                               cpu_snapshot, exited, kv_capacity, start_sims)
+                               cpu_snapshot, engines_apart, exited, kv_capacity, other_cpus, start_sims)
 from ramjet.bench.summary import summarize
 from ramjet.bench.swarm import SwarmConfig, run_swarm
 from ramjet.bench.workload import WorkloadConfig
@@ -93,6 +93,7 @@ class CompareConfig:
     repeats: int = 1                # every cell this many times
     paired: bool = False            # the placements of one repeat share its seed (else every run has its own)
     journal: bool = False           # ramjet cells write DIR/journals/CELL.jsonl
+    engine_cpus: tuple[int, ...] = ()  # the simulators' own CPUs (sims.py); the rest for the others; (): shared
 
     def __post_init__(self):
         self.placements = expand_placements(list(self.placements))
@@ -105,6 +106,8 @@ class CompareConfig:
                 raise ValueError(f"--hicache takes off and/or on, not {h!r}")
         if self.engines < 1 or self.repeats < 1:
             raise ValueError("engines and repeats must be >= 1")
+        if self.engine_cpus:
+            other_cpus(self.engine_cpus)  # raises ValueError naming what is wrong
         if self.salt_prefix is None:
             self.salt_prefix = os.urandom(4).hex()
 
@@ -226,6 +229,11 @@ def run_compare(placements, developers, hicache=("off",), engines: int = 1, dura
 
 
 def run_compare_config(cfg: CompareConfig) -> list[dict]:
+    with engines_apart(cfg.engine_cpus):
+        return _run_cells(cfg)
+
+
+def _run_cells(cfg: CompareConfig) -> list[dict]:
     cells = cfg.cells()
     rows: list[dict] = []
     t0 = time.monotonic()

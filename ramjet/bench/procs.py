@@ -51,11 +51,14 @@ class ManagedProcess:
     """A child process with a log file, a readiness check and a guaranteed stop."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, cpus: tuple[int, ...] = ()):
+        """`cpus`: the CPUs it may run on (Linux), set as soon as it has started (the threads it starts
+        later inherit them); empty: those of this process."""
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = Path(log_path) if log_path else None
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -68,6 +71,8 @@ class ManagedProcess:
             out = subprocess.DEVNULL
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.cpus:
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         return self
 
     def alive(self) -> bool:
@@ -128,10 +133,10 @@ class ManagedProcess:
 
 
 def start_sim(port: int, *args: str, host: str = "127.0.0.1", log_path: str | Path | None = None,
-              env: dict[str, str] | None = None, timeout: float = 30.0) -> ManagedProcess:
-    """Start `ramjet sim` on host:port with extra CLI `args`; return once it answers."""
+              env: dict[str, str] | None = None, timeout: float = 30.0, cpus: tuple[int, ...] = ()) -> ManagedProcess:
+    """Start `ramjet sim` on host:port with extra CLI `args` (on `cpus`, if given); return once it answers."""
     argv = [sys.executable, "-m", "ramjet", "sim", "--host", host, "--port", str(port), *args]
-    p = ManagedProcess(f"sim:{port}", argv, env={**os.environ, **(env or {})}, log_path=log_path)
+    p = ManagedProcess(f"sim:{port}", argv, env={**os.environ, **(env or {})}, log_path=log_path, cpus=cpus)
     return _start_ready(p, f"http://{host}:{port}/get_server_info", (200, 401), timeout)
 
 

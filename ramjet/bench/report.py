@@ -7,13 +7,13 @@ how it was started, and, where one kind ran under several settings, its best set
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ramjet.bench import peers, precise
 from ramjet.bench.placements import bases
+from ramjet.bench.sims import machine_said
 
 TABLE_COLUMNS = (
     ("placement", "placement", "{}"),
@@ -309,7 +309,7 @@ def _describe(cfg) -> str:
     return (f"`ramjet bench compare` {seeds}, time scale {cfg.time_scale:g}, warm-up {cfg.warmup:g} s, "
             f"window {cfg.duration:g} s (engine time), {cfg.engines} engine(s) x 8 ranks, "
             f"{cfg.kv_tokens_per_rank:,} KV tokens per rank, HiCache {cfg.hicache_tokens_per_rank:,} tokens per rank "
-            f"when on; machine: {os.cpu_count()} CPUs.")
+            f"when on; {machine_said(cfg.engine_cpus)}.")
 
 
 def write_outputs(cfg, rows: list[dict]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ramjet.bench.ceilings import DEFAULT_SLACK
 from ramjet.bench.placements import PlacementContext, expand_placements, parse_placement, start_placement
 from ramjet.bench.sims import (DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK, DP_SIZE, cpu_share,
-                               cpu_snapshot, exited, kv_capacity, start_sims)
+                               cpu_snapshot, engines_apart, exited, kv_capacity, other_cpus, start_sims)
 from ramjet.bench.trace_cells_report import row_fields, run_name, write_cells_outputs
 from ramjet.bench.trace_load import TraceRequest, load_trace
 from ramjet.bench.trace_prompt import chars_per_token
@@ -63,6 +63,7 @@ class TraceCellsConfig:
     repeats: int = 1
     paired: bool = False
     progress: bool = True
+    engine_cpus: tuple[int, ...] = ()           # the simulators' own CPUs (sims.py); the rest for the others
 
     def __post_init__(self):
         self.placements = expand_placements(list(self.placements))
@@ -79,6 +80,8 @@ class TraceCellsConfig:
         for h in self.hicache:
             if h not in ("off", "on"):
                 raise ValueError(f"--hicache takes off and/or on, not {h!r}")
+        if self.engine_cpus:
+            other_cpus(self.engine_cpus)  # raises ValueError naming what is wrong
         if self.engines < 1 or self.repeats < 1:
             raise ValueError("engines and repeats must be >= 1")
         if self.salt_prefix is None:
@@ -157,6 +160,11 @@ def run_one(cfg: TraceCellsConfig, requests: list[TraceRequest], run: dict, inde
 def run_cells(cfg: TraceCellsConfig, requests: list[TraceRequest] | None = None) -> list[dict]:
     """Every run of `cfg` in order; DIR/summary.md and summary.json rewritten after each."""
     requests = requests if requests is not None else cfg.window_requests()
+    with engines_apart(cfg.engine_cpus):
+        return _run_all(cfg, requests)
+
+
+def _run_all(cfg: TraceCellsConfig, requests: list[TraceRequest]) -> list[dict]:
     runs = cfg.runs()
     rows: list[dict] = []
     t0 = time.monotonic()

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ramjet.bench.report import RepeatSpec, format_best, format_repeats, placement_notes
+from ramjet.bench.sims import machine_said
 
 # one row per run: (key, header, format)
 RUN_COLUMNS = (
@@ -107,7 +108,7 @@ def _describe(cfg, rows: list[dict]) -> str:
     return (f"`ramjet bench trace` {os.path.basename(cfg.path)}, trace minutes {cfg.start_minutes:g}-{end} at speedup "
             f"{cfg.speedup:g} ({window}), time scale {cfg.time_scale:g}, {cfg.engines} engine(s) x 8 ranks, KV "
             f"tokens per rank {cap}, {cfg.repeats} repeat(s), {salts}; fresh simulators for every run; times in "
-            f"engine seconds; machine: {os.cpu_count()} CPUs.")
+            f"engine seconds; {machine_said(cfg.engine_cpus)}.")
 
 
 def write_cells_outputs(cfg, rows: list[dict]) -> None:

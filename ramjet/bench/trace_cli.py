@@ -14,7 +14,8 @@ from ramjet.bench import procs
 from ramjet.bench.ceilings import DEFAULT_SLACK
 from ramjet.bench.placements import ENGINE_EVENTS_HELP, KINDS, expand_placements, parse_balancer_env
 from ramjet.bench.report import format_repeats
-from ramjet.bench.sims import DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK
+from ramjet.bench.sims import (DEFAULT_HICACHE_TOKENS_PER_RANK, DEFAULT_KV_TOKENS_PER_RANK, ENGINE_CPUS_HELP,
+                               parse_cpus)
 from ramjet.bench.trace_cells import TraceCellsConfig, estimate_seconds, run_cells
 from ramjet.bench.trace_cells_report import TRACE, format_runs, run_name
 from ramjet.bench.trace_load import TraceError, load_trace
@@ -27,12 +28,20 @@ PLACEMENT_TIME_SCALE = 4.0   # keeps client and simulator on schedule on 2 cores
 _PLACEMENT_ONLY = {"sweep": "--sweep", "repeats": "--repeat", "paired": "--paired", "hicache": "--hicache",
                    "engines": "--engines", "sim_arg": "--sim-arg", "balancer_env": "--balancer-env",
                    "no_kv_hint": "--no-kv-hint", "hicache_tokens_per_rank": "--hicache-tokens-per-rank",
-                   "engine_events": "--engine-events"}
+                   "engine_events": "--engine-events", "engine_cpus": "--engine-cpus"}
 _URL_ONLY = {"ranks": "--ranks", "api_key": "--api-key"}
 
 
 def _urls(items: list[str]) -> list[str]:
     return [u for item in items for u in item.split(",") if u]
+
+
+def cpus_arg(text: str) -> tuple[int, ...]:
+    """--engine-cpus, parsed for argparse (`ramjet bench compare` takes it too)."""
+    try:
+        return parse_cpus(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--engine-cpus: ")) from None
 
 
 def _csv(text: str) -> list[str]:
@@ -81,6 +90,7 @@ def add_parser(sub) -> None:
                    help="extra setting for the ramjet placements (repeatable)")
     p.add_argument("--engine-events", action="store_true", default=None,
                    help=ENGINE_EVENTS_HELP)
+    p.add_argument("--engine-cpus", type=cpus_arg, default=None, metavar="CPUS", help=ENGINE_CPUS_HELP)
     p.add_argument("--no-kv-hint", action="store_true", default=None,
                    help="give no placement each rank's KV capacity (ours: RJ_ROUTE_KV_CAPACITY_TOKENS; a peer: "
                         "its tree size in characters)")
@@ -176,7 +186,7 @@ def _run_placements(args: argparse.Namespace) -> int:
             hicache_tokens_per_rank=args.hicache_tokens_per_rank or DEFAULT_HICACHE_TOKENS_PER_RANK,
             balancer_env=parse_balancer_env(args.balancer_env or []), kv_hint=not args.no_kv_hint,
             sim_args=args.sim_arg or [], engine_events=bool(args.engine_events), repeats=args.repeats or 1,
-            paired=bool(args.paired),
+            paired=bool(args.paired), engine_cpus=args.engine_cpus or (),
             progress=not args.quiet)
         requests = cfg.window_requests()
     except (TraceError, ValueError, OSError) as e:
