@@ -65,7 +65,9 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 def other_cpus(engine_cpus: tuple[int, ...]) -> tuple[int, ...]:
     """The CPUs this process may use that are not the engines'; ValueError if the engines' are not all among
-    them or leave none."""
+    them or leave none, or this system cannot place processes on CPUs."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--engine-cpus: this system cannot place processes on CPUs (Linux can)")
     mine = os.sched_getaffinity(0)
     if not set(engine_cpus) <= mine:
         raise ValueError(f"--engine-cpus: this process may run on CPUs {sorted(mine)} only, not on "
